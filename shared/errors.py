@@ -1,0 +1,88 @@
+"""One error hierarchy for every tokenline service; mapped to HTTP in one middleware.
+
+    ServiceError                 500 InternalServerError
+    ├── BadRequest               400 BadRequestError          (bad body, field named in `param`)
+    │   └── InvalidStreamState   400 BadRequestError          (forged or corrupt stream_state)
+    ├── Unauthorized             401 AuthenticationError
+    ├── NotFound                 404 NotFoundError            (unknown model)
+    ├── PayloadTooLarge          413 BadRequestError
+    ├── Overloaded               429 TooManyRequests
+    ├── UpstreamError            502 BadGateway               (a hop answered with an error)
+    │   └── UpstreamUnavailable  503 ServiceUnavailableError  (no healthy replica / unreachable)
+    └── UpstreamTimeout          504 GatewayTimeout
+
+Raise anywhere; `errors_middleware` (shared/http.py) turns these, and msgspec's decode and
+validation errors, into vLLM's envelope `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shared.wire import ErrorEnvelope, ErrorInfo
+
+
+class ServiceError(Exception):
+    status = 500
+    kind = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_wire(self) -> ErrorEnvelope:
+        return ErrorEnvelope(
+            error=ErrorInfo(message=self.message, type=self.kind, param=self.param,
+                            code=self.status)  # fmt: skip
+        )
+
+
+class BadRequest(ServiceError):
+    status, kind = 400, "BadRequestError"
+
+
+class InvalidStreamState(BadRequest):
+    pass
+
+
+class Unauthorized(ServiceError):
+    status, kind = 401, "AuthenticationError"
+
+
+class NotFound(ServiceError):
+    status, kind = 404, "NotFoundError"
+
+
+class PayloadTooLarge(ServiceError):
+    status, kind = 413, "BadRequestError"
+
+
+class Overloaded(ServiceError):
+    status, kind = 429, "TooManyRequests"
+
+
+class UpstreamError(ServiceError):
+    status, kind = 502, "BadGateway"
+
+
+class UpstreamUnavailable(UpstreamError):
+    status, kind = 503, "ServiceUnavailableError"
+
+
+class UpstreamTimeout(ServiceError):
+    status, kind = 504, "GatewayTimeout"
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def from_validation(exc: Exception) -> BadRequest:
+    """A msgspec decode/validation error as a BadRequest naming the field.
+
+    msgspec says e.g. "Expected `int >= 0`, got `-1` - at `$.token_ids[0]`"; `param` becomes
+    "token_ids[0]".
+    """
+    text = str(exc)
+    found = _PATH.search(text)
+    return BadRequest(text, param=found.group(1) if found else None)

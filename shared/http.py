@@ -1,0 +1,78 @@
+"""aiohttp pieces every service shares: error middleware, JSON responses, body reading, running.
+
+Nothing here knows about a particular hop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from shared.errors import BadRequest, PayloadTooLarge, ServiceError, from_validation
+from shared.wire import JSON
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = 64 * 1024 * 1024
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=JSON.encode(body), status=status, content_type="application/json")
+
+
+def error_response(exc: ServiceError) -> web.Response:
+    return json_response(exc.to_wire(), status=exc.status)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place where errors become HTTP: ServiceError and msgspec errors -> envelope."""
+    try:
+        return await handler(request)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return error_response(from_validation(exc))
+    except ServiceError as exc:
+        if exc.status >= 500:
+            log.warning("request.failed %s %s: %s", request.method, request.path, exc.message)
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return error_response(PayloadTooLarge(exc.text or "request body too large"))
+        if exc.status < 400:
+            raise
+        return error_response(_http_error(exc))
+
+
+def _http_error(exc: web.HTTPException) -> ServiceError:
+    err = ServiceError(exc.reason)
+    err.status, err.kind = exc.status, exc.reason.replace(" ", "")
+    return err
+
+
+async def read_json_body(request: web.Request) -> bytes:
+    """The raw body of a JSON request; 400 for another content type or an empty body."""
+    if request.content_type not in ("application/json", ""):
+        raise BadRequest(
+            f"Unsupported Media Type: Only 'application/json' is allowed, got "
+            f"{request.content_type!r}"
+        )
+    body = await request.read()
+    if not body:
+        raise BadRequest("request body is empty")
+    return body
+
+
+def make_base_app(max_body: int = MAX_BODY) -> web.Application:
+    return web.Application(middlewares=[errors_middleware], client_max_size=max_body)
+
+
+def run(app: web.Application, host: str, port: int) -> None:
+    """Serve `app`; handler_cancellation makes a client disconnect cancel its handler, which is
+    how aborts propagate upstream (aiohttp's default is off)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None,
+                access_log=None)  # fmt: skip

@@ -1,0 +1,234 @@
+"""A model's tokenizer, chat template and generation defaults, without transformers or torch.
+
+render and derender load models through this module only. It reads the files a Hugging Face
+model directory carries (`tokenizer.json`, `tokenizer_config.json`, `generation_config.json`,
+`config.json`) with the Rust `tokenizers` library and jinja2, which keeps those tiers' images
+small and their start-up near a second (transformers imports torch).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RustTokenizer
+
+from shared.errors import BadRequest
+
+# OpenAI defaults for the sampling fields a generation config may override (vLLM's order).
+SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+_GENERATION_KEYS = (*SAMPLING_DEFAULTS, "max_new_tokens")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_ITERATES_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\.content|\[['\"]content['\"]\])")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores a special token as a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+    # Same as transformers' override: jinja's own tojson escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@dataclass
+class ModelTokenizer:
+    """Everything render and derender need to know about one model."""
+
+    path: Path
+    rust: RustTokenizer
+    config: dict[str, Any]
+    tokenizer_config: dict[str, Any]
+    generation_config: dict[str, Any]
+    chat_template: str | None
+    _templates: dict[str, jinja2.Template] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def load(cls, path: str | Path, chat_template: str | None = None) -> ModelTokenizer:
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"{path} has no tokenizer.json")
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        template = chat_template or tok_cfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(path=path, rust=RustTokenizer.from_file(str(path / "tokenizer.json")),
+                   config=_read_json(path / "config.json"), tokenizer_config=tok_cfg,
+                   generation_config=_read_json(path / "generation_config.json"),
+                   chat_template=template if isinstance(template, str) else None)  # fmt: skip
+
+    # ------------------------------------------------------------------ vocabulary
+
+    @cached_property
+    def tokenizer_size(self) -> int:
+        """IDs below this decode to text; the model's vocabulary may be larger (padding)."""
+        return int(self.rust.get_vocab_size(with_added_tokens=True))
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """IDs at or above this crash an engine's embedding: nothing may send them."""
+        return int(self.config.get("vocab_size") or self.tokenizer_size)
+
+    @cached_property
+    def added_tokens(self) -> dict[int, str]:
+        return {i: t.content for i, t in self.rust.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.rust.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def special_tokens_map(self) -> dict[str, str]:
+        keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+        found = {k: _token_text(self.tokenizer_config.get(k)) for k in keys}
+        return {k: v for k, v in found.items() if v is not None}
+
+    @cached_property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens_map.get("eos_token")
+        return None if eos is None else self.rust.token_to_id(eos)
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS and the generation config's: generate stops on any of them."""
+        gen = self.generation_config.get("eos_token_id")
+        ids = set(gen if isinstance(gen, list) else [] if gen is None else [gen])
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return frozenset(int(i) for i in ids)
+
+    @cached_property
+    def max_position_embeddings(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 2048)
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """vLLM's `get_diff_sampling_param`: the generation config's sampling values, with
+        `max_new_tokens` renamed `max_tokens`."""
+        found = {k: self.generation_config[k] for k in _GENERATION_KEYS
+                 if self.generation_config.get(k) is not None}  # fmt: skip
+        if "max_new_tokens" in found:
+            found["max_tokens"] = found.pop("max_new_tokens")
+        return found
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.rust.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.rust.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_one(self, token_id: int) -> str:
+        """One token's text, as vLLM reports logprob tokens (`tokenizer.decode([id])`)."""
+        return str(self.rust.decode([token_id], skip_special_tokens=False))
+
+    # ------------------------------------------------------------------ chat template
+
+    @cached_property
+    def content_format(self) -> str:
+        """"openai" when the template iterates a message's content parts, else "string"."""
+        return "openai" if _ITERATES_CONTENT.search(self.chat_template or "") else "string"
+
+    def _compiled(self, source: str) -> jinja2.Template:
+        if source not in self._templates:
+            self._templates[source] = _jinja_env().from_string(source)
+        return self._templates[source]
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render like transformers' `apply_chat_template(tokenize=False)`."""
+        source = template or self.chat_template
+        if source is None:
+            raise BadRequest("this model has no chat template; pass --chat-template",
+                             param="messages")  # fmt: skip
+        final = ""
+        if continue_final_message:
+            final, messages = _tag_final_message(messages, source)
+        context = {**self.special_tokens_map, **(kwargs or {})}
+        rendered = self._compiled(source).render(
+            messages=messages, tools=tools, documents=None,
+            add_generation_prompt=add_generation_prompt, **context,
+        )  # fmt: skip
+        return _cut_at_tag(rendered, final) if continue_final_message else rendered
+
+
+def _tag_final_message(
+    messages: list[dict[str, Any]], source: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """Mark the end of the final message so the render can be cut there (transformers' way)."""
+    last = dict(messages[-1])
+    final = last.get("content")
+    if final is None or "content" not in source:
+        raise BadRequest("continue_final_message is set but the final message has no content "
+                         "to continue", param="continue_final_message")  # fmt: skip
+    if isinstance(final, list):
+        parts = [dict(p) for p in final]
+        texts = [p for p in parts if "text" in p]
+        if not texts:
+            raise BadRequest("continue_final_message: no text to continue in the final message",
+                             param="continue_final_message")  # fmt: skip
+        final = texts[-1]["text"]
+        texts[-1]["text"] = final + _CONTINUE_TAG
+        last["content"] = parts
+    else:
+        last["content"] = final + _CONTINUE_TAG
+    return str(final), [*messages[:-1], last]
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise BadRequest("continue_final_message is set but the final message does not appear "
+                         "in the chat after applying the chat template",
+                         param="continue_final_message")  # fmt: skip
+    loc = rendered.rindex(tag)
+    if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()

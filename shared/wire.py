@@ -1,0 +1,544 @@
+"""Every body that crosses a hop, as msgspec Structs, in one module.
+
+Two families:
+
+* **OpenAI** (external): chat/completion requests from clients, and the responses and stream
+  chunks we send back. Lenient: clients send many optional OpenAI fields we do not model, and
+  unknown keys are ignored, as vLLM does.
+* **Scale-out** (internal, vLLM's wire): `GenerateRequest` (render's output, generate's input),
+  `GenerateResponse`/`GenerateStreamChunk` (generate's output), and the derender requests and
+  responses. They ignore unknown keys too, like vLLM's pydantic models, so a newer vLLM peer that
+  adds a field does not break a hop.
+
+Decoders and encoders are built once at import (`*_DECODER`, `JSON`), and bodies are decoded
+straight from bytes. Constraints are declarative (`msgspec.Meta`), so a negative token ID or a
+wrong type is a `msgspec.ValidationError` naming the field (e.g. `$.token_ids[3]`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+TokenId = Annotated[int, Meta(ge=0)]
+TokenIds = list[TokenId]
+NonNegative = Annotated[int, Meta(ge=0)]
+Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+
+
+class Wire(Struct, kw_only=True):
+    """Base of every wire type: unknown keys ignored (see module doc).
+
+    msgspec does not inherit `kw_only`, so each subclass states it: fields with defaults can
+    then precede required ones, keeping vLLM's field order.
+    """
+
+
+class Out(Wire, omit_defaults=True):
+    """Base of bodies whose defaults need not be sent."""
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(Wire, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorEnvelope(Wire, kw_only=True):
+    """OpenAI/vLLM error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+# --------------------------------------------------------------------------- OpenAI requests
+
+
+class TextPart(Wire, kw_only=True):
+    type: str = "text"
+    text: str | None = None
+
+
+class ToolFunction(Wire, kw_only=True):
+    # Field order is the order chat templates see (that of OpenAI's TypedDicts, as vLLM passes).
+    arguments: str | dict[str, Any] | None = None
+    name: str
+
+
+class ToolCall(Wire, kw_only=True):
+    id: str | None = None
+    function: ToolFunction
+    type: str = "function"
+
+
+class ChatMessage(Wire, kw_only=True):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+
+
+class StreamOptions(Wire, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+Stop = str | list[str] | None
+
+
+class SamplingFields(Wire, kw_only=True):
+    """Request fields shared by chat and completions that shape sampling.
+
+    `None` means "not sent": render fills it from the model's generation config, then OpenAI's
+    default.
+    """
+
+    model: str | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: int | None = None
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegative = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    add_special_tokens: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    echo: bool = False
+    use_beam_search: bool = False
+    user: str | None = None
+
+
+class FunctionDefinition(Wire, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(Wire, kw_only=True):
+    """Sent to chat templates with every field, nulls included, as vLLM does."""
+
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=-1)] | None = 0
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    include_reasoning: bool = True
+
+
+# str, list[str], list[int] or list[list[int]]; msgspec unions allow one list type, so render
+# converts the list form itself (`services.render.prompts`).
+Prompt = str | list[Any]
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Prompt
+    logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    suffix: str | None = None
+
+
+# --------------------------------------------------------------------------- generate request
+
+
+class SamplingParams(Out, kw_only=True):
+    """vLLM's `SamplingParams` as generate reads it. Only non-default values are sent.
+
+    `max_tokens` is UNSET unless chosen: generate treats an absent key (derive from the context
+    left) differently from any value, so it is never sent by accident.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None | UnsetType = UNSET
+    min_tokens: NonNegative = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
+    output_kind: int = 0
+    skip_clone: bool = False
+
+
+class GenerateRequest(Out, kw_only=True):
+    """Body of `POST /inference/v1/generate`, and what `/render` returns.
+
+    `kv_transfer_params` may sit here (vLLM 0.33) or in `sampling_params.extra_args` (0.32);
+    `transfer_params()` reads either.
+    """
+
+    request_id: str | None = None
+    token_ids: Annotated[TokenIds, Meta(min_length=1)]
+    sampling_params: SamplingParams
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    output_mode: Literal["tokens"] = "tokens"
+
+    def transfer_params(self) -> dict[str, Any] | None:
+        if self.kv_transfer_params is not None:
+            return self.kv_transfer_params
+        extra = self.sampling_params.extra_args or {}
+        found = extra.get("kv_transfer_params")
+        return found if isinstance(found, dict) else None
+
+
+# --------------------------------------------------------------------------- generate response
+
+
+class GenerateLogProb(Wire, kw_only=True):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class GenerateLogProbsContent(GenerateLogProb, kw_only=True):
+    top_logprobs: list[GenerateLogProb] = []
+
+
+class GenerateLogProbs(Wire, kw_only=True):
+    content: list[GenerateLogProbsContent] | None = None
+
+
+class WeightVersionSpan(Wire, kw_only=True):
+    version: str
+    start: int
+    end: int
+
+
+class Usage(Wire, kw_only=True):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: dict[str, Any] | None = None
+
+
+StopReason = int | str | None
+
+
+class GenerateChoice(Wire, kw_only=True):
+    index: NonNegative
+    finish_reason: str | None = "stop"
+    stop_reason: StopReason = None
+    token_ids: TokenIds | None = None
+    logprobs: GenerateLogProbs | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+
+
+class GenerateResponse(Wire, kw_only=True):
+    request_id: str
+    model: str | None = None
+    created: int | None = None
+    usage: Usage | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: TokenIds | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None
+    output_mode: Literal["tokens"] = "tokens"
+    choices: list[GenerateChoice]
+
+
+class GenerateStreamChoice(Wire, kw_only=True):
+    index: NonNegative
+    finish_reason: str | None = None
+    stop_reason: StopReason = None
+    token_ids: TokenIds | None = None
+    logprobs: GenerateLogProbs | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+
+
+class GenerateStreamChunk(Wire, kw_only=True):
+    request_id: str
+    usage: Usage | None = None
+    prompt_token_ids: TokenIds | None = None
+    metrics: dict[str, Any] | None = None
+    output_mode: Literal["tokens"] = "tokens"
+    choices: list[GenerateStreamChoice] = []
+
+
+# --------------------------------------------------------------------------- OpenAI responses
+
+
+class TopLogprob(Wire, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(Wire, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(Wire, kw_only=True):
+    content: list[ChatLogprob] | None = None
+
+
+class CompletionLogprobs(Wire, kw_only=True):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class AssistantMessage(Wire, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = []
+
+
+class ChatChoice(Wire, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: StopReason = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(Wire, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class Delta(Out, kw_only=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatStreamChoice(Wire, kw_only=True):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: StopReason = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(Wire, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionChoice(Wire, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: StopReason = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class Completion(Wire, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionChunk(Wire, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# --------------------------------------------------------------------------- derender
+
+
+class DerenderStreamState(Wire, kw_only=True):
+    """Carried by the caller between streaming derender calls; echo it back unchanged.
+
+    The first six fields are vLLM's. `held_text` (text withheld because it may still become a
+    stop string), `completion_tokens` and `stopped` are tokenline's: they make stop strings work
+    in streaming without any per-request memory on the server.
+    """
+
+    prev_tokens: Annotated[list[str], Meta(max_length=64)] = []
+    prefix_offset: NonNegative = 0
+    read_offset: NonNegative = 0
+    role_sent: bool = False
+    logprob_context_token_ids: Annotated[TokenIds, Meta(max_length=4)] = []
+    logprob_text_offset: NonNegative = 0
+    held_text: Annotated[str, Meta(max_length=4096)] = ""
+    completion_tokens: NonNegative = 0
+    stopped: bool = False
+
+
+class DerenderChatRequest(Wire, kw_only=True):
+    """Body of `/v1/chat/completions/derender`, both of vLLM's forms in one struct.
+
+    `stream: false` carries `generate_response`; `stream: true` carries one `generate_chunk`
+    and the `stream_state` returned for the previous one (null on the first call).
+    """
+
+    stream: bool = False
+    model: str | None = None
+    generate_response: GenerateResponse | None = None
+    generate_chunk: GenerateStreamChunk | None = None
+    stream_state: DerenderStreamState | None = None
+    prompt_tokens: NonNegative | None = None
+    prompt_token_ids: TokenIds | None = None
+    chat_request: ChatCompletionRequest | None = None
+
+
+class DerenderCompletionRequest(Wire, kw_only=True):
+    """Body of `/v1/completions/derender`: `generate_responses` (one per prompt) when not
+    streaming, or one `generate_chunk` plus `stream_state` when streaming."""
+
+    stream: bool = False
+    model: str | None = None
+    generate_responses: list[GenerateResponse] | None = None
+    generate_chunk: GenerateStreamChunk | None = None
+    stream_state: DerenderStreamState | None = None
+    prompt_tokens: list[NonNegative] | NonNegative | None = None
+    # Non-streaming: one list (or null) per generate response; streaming: one list of ids.
+    # Checked against the right shape by the handler (msgspec allows one list type per union).
+    prompt_token_ids: list[Any] | None = None
+    completion_request: CompletionRequest | None = None
+
+
+class StopMatch(Wire, kw_only=True):
+    """tokenline extension on a streaming derender answer: a stop string matched.
+
+    `completion_tokens` counts output tokens up to and including the one that completed the
+    match, which is what monolithic vLLM reports as usage; the caller should abort generation.
+    """
+
+    stop: str
+    completion_tokens: int
+
+
+class DerenderChatStreamResponse(Wire, kw_only=True):
+    chunk: ChatCompletionChunk
+    stream_state: DerenderStreamState
+    stop_match: StopMatch | None = None
+
+
+class DerenderCompletionStreamResponse(Wire, kw_only=True):
+    chunk: CompletionChunk
+    stream_state: DerenderStreamState
+    stop_match: StopMatch | None = None
+
+
+class DerenderChatBatch(Wire, kw_only=True):
+    """tokenline extension: several streaming derender calls in one body, answered in order."""
+
+    requests: Annotated[list[DerenderChatRequest], Meta(min_length=1, max_length=256)]
+
+
+class DerenderCompletionBatch(Wire, kw_only=True):
+    requests: Annotated[list[DerenderCompletionRequest], Meta(min_length=1, max_length=256)]
+
+
+# --------------------------------------------------------------------------- models list
+
+
+class ModelCard(Wire, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "tokenline"
+    max_model_len: int | None = None
+
+
+class ModelList(Wire, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------- codecs (built once)
+
+JSON = msgspec.json.Encoder()
+CHAT_REQUEST = msgspec.json.Decoder(ChatCompletionRequest)
+COMPLETION_REQUEST = msgspec.json.Decoder(CompletionRequest)
+GENERATE_REQUEST = msgspec.json.Decoder(GenerateRequest)
+GENERATE_REQUESTS = msgspec.json.Decoder(list[GenerateRequest])
+GENERATE_RESPONSE = msgspec.json.Decoder(GenerateResponse)
+GENERATE_CHUNK = msgspec.json.Decoder(GenerateStreamChunk)
+ERROR = msgspec.json.Decoder(ErrorEnvelope)
+CHAT_COMPLETION = msgspec.json.Decoder(ChatCompletion)
+CHAT_CHUNK = msgspec.json.Decoder(ChatCompletionChunk)
+COMPLETION = msgspec.json.Decoder(Completion)
+COMPLETION_CHUNK = msgspec.json.Decoder(CompletionChunk)
+DERENDER_CHAT = msgspec.json.Decoder(DerenderChatRequest)
+DERENDER_COMPLETION = msgspec.json.Decoder(DerenderCompletionRequest)
+DERENDER_CHAT_BATCH = msgspec.json.Decoder(DerenderChatBatch)
+DERENDER_COMPLETION_BATCH = msgspec.json.Decoder(DerenderCompletionBatch)
