@@ -1,1 +1,88 @@
-def main() -> None: ...
+"""`tokenline`: one console script, a subcommand per service.
+
+Subcommands import their service lazily, so `tokenline render` never loads the proxy's code and
+none of render, derender or proxy imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _render(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.render.app import make_app
+    from services.render.config import from_args
+    from shared.http import run
+
+    config = from_args(args)
+    run(make_app(config), config.host, config.port)
+    return 0
+
+
+def _derender(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.derender.app import make_app
+    from services.derender.config import from_args
+    from shared.http import run
+
+    config = from_args(args)
+    run(make_app(config), config.host, config.port)
+    return 0
+
+
+def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
+    from proxy.app import make_app
+    from proxy.config import from_args
+
+    from shared.http import run
+
+    config = from_args(args)
+    run(make_app(config), config.host, config.port)
+    return 0
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.generate.launcher import from_args, run
+
+    return run(from_args(args, extra))
+
+
+def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
+    from shared.models.build import build
+
+    print(build(args.name, Path(args.dir)))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from services.generate.launcher import add_arguments as generate_args
+    from services.render.config import add_arguments as render_args
+    from shared.models.build import MODELS
+
+    top = argparse.ArgumentParser(prog="tokenline", description=__doc__)
+    sub = top.add_subparsers(dest="command", required=True)
+    for name, add, fn, help_ in (
+        ("render", render_args, _render, "chat templates + tokenization service"),
+        (
+            "generate",
+            generate_args,
+            _generate,
+            "vLLM tokens-only engine for a role (extra args go to vllm serve)",
+        ),
+    ):
+        cmd = sub.add_parser(name, help=help_)
+        add(cmd)
+        cmd.set_defaults(fn=fn)
+    mk = sub.add_parser("make-model", help="build an offline test model")
+    mk.add_argument("name", choices=MODELS)
+    mk.add_argument("dir")
+    mk.set_defaults(fn=_make_model)
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, extra = parser().parse_known_args(argv)
+    if extra and args.command != "generate":
+        parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    sys.exit(args.fn(args, extra))

@@ -31,10 +31,15 @@ class ServiceError(Exception):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple[type[ServiceError], tuple[str], dict[str, object]]:
+        # Picklable with `param`, so errors raised in render's worker processes arrive whole.
+        return (type(self), (self.message,), self.__dict__)
+
     def to_wire(self) -> ErrorEnvelope:
         return ErrorEnvelope(
-            error=ErrorInfo(message=self.message, type=self.kind, param=self.param,
-                            code=self.status)  # fmt: skip
+            error=ErrorInfo(
+                message=self.message, type=self.kind, param=self.param, code=self.status
+            )
         )
 
 

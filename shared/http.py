@@ -45,6 +45,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         if exc.status < 400:
             raise
         return error_response(_http_error(exc))
+    except Exception:
+        # A bug, not the client's fault: log it whole, answer in the envelope, keep serving.
+        log.exception("request.crashed %s %s", request.method, request.path)
+        return error_response(ServiceError("Internal server error"))
 
 
 def _http_error(exc: web.HTTPException) -> ServiceError:
@@ -66,13 +70,15 @@ async def read_json_body(request: web.Request) -> bytes:
     return body
 
 
-def make_base_app(max_body: int = MAX_BODY) -> web.Application:
-    return web.Application(middlewares=[errors_middleware], client_max_size=max_body)
+def make_base_app(outer: list[Any] | None = None, max_body: int = MAX_BODY) -> web.Application:
+    """An app whose errors are mapped; `outer` middlewares (metrics, auth) run around that."""
+    return web.Application(
+        middlewares=[*(outer or []), errors_middleware], client_max_size=max_body
+    )
 
 
 def run(app: web.Application, host: str, port: int) -> None:
     """Serve `app`; handler_cancellation makes a client disconnect cancel its handler, which is
     how aborts propagate upstream (aiohttp's default is off)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None,
-                access_log=None)  # fmt: skip
+    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None)

@@ -50,11 +50,17 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Same as transformers' override: jinja's own tojson escapes HTML characters.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise(message: str) -> None:
@@ -62,8 +68,9 @@ def _raise(message: str) -> None:
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])  # fmt: skip
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -91,10 +98,14 @@ class ModelTokenizer:
         template = chat_template or tok_cfg.get("chat_template")
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
-        return cls(path=path, rust=RustTokenizer.from_file(str(path / "tokenizer.json")),
-                   config=_read_json(path / "config.json"), tokenizer_config=tok_cfg,
-                   generation_config=_read_json(path / "generation_config.json"),
-                   chat_template=template if isinstance(template, str) else None)  # fmt: skip
+        return cls(
+            path=path,
+            rust=RustTokenizer.from_file(str(path / "tokenizer.json")),
+            config=_read_json(path / "config.json"),
+            tokenizer_config=tok_cfg,
+            generation_config=_read_json(path / "generation_config.json"),
+            chat_template=template if isinstance(template, str) else None,
+        )
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -143,8 +154,11 @@ class ModelTokenizer:
     def generation_defaults(self) -> dict[str, Any]:
         """vLLM's `get_diff_sampling_param`: the generation config's sampling values, with
         `max_new_tokens` renamed `max_tokens`."""
-        found = {k: self.generation_config[k] for k in _GENERATION_KEYS
-                 if self.generation_config.get(k) is not None}  # fmt: skip
+        found = {
+            k: self.generation_config[k]
+            for k in _GENERATION_KEYS
+            if self.generation_config.get(k) is not None
+        }
         if "max_new_tokens" in found:
             found["max_tokens"] = found.pop("max_new_tokens")
         return found
@@ -165,7 +179,7 @@ class ModelTokenizer:
 
     @cached_property
     def content_format(self) -> str:
-        """"openai" when the template iterates a message's content parts, else "string"."""
+        """ "openai" when the template iterates a message's content parts, else "string"."""
         return "openai" if _ITERATES_CONTENT.search(self.chat_template or "") else "string"
 
     def _compiled(self, source: str) -> jinja2.Template:
@@ -186,16 +200,20 @@ class ModelTokenizer:
         """Render like transformers' `apply_chat_template(tokenize=False)`."""
         source = template or self.chat_template
         if source is None:
-            raise BadRequest("this model has no chat template; pass --chat-template",
-                             param="messages")  # fmt: skip
+            raise BadRequest(
+                "this model has no chat template; pass --chat-template", param="messages"
+            )
         final = ""
         if continue_final_message:
             final, messages = _tag_final_message(messages, source)
         context = {**self.special_tokens_map, **(kwargs or {})}
         rendered = self._compiled(source).render(
-            messages=messages, tools=tools, documents=None,
-            add_generation_prompt=add_generation_prompt, **context,
-        )  # fmt: skip
+            messages=messages,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **context,
+        )
         return _cut_at_tag(rendered, final) if continue_final_message else rendered
 
 
@@ -206,14 +224,18 @@ def _tag_final_message(
     last = dict(messages[-1])
     final = last.get("content")
     if final is None or "content" not in source:
-        raise BadRequest("continue_final_message is set but the final message has no content "
-                         "to continue", param="continue_final_message")  # fmt: skip
+        raise BadRequest(
+            "continue_final_message is set but the final message has no content to continue",
+            param="continue_final_message",
+        )
     if isinstance(final, list):
         parts = [dict(p) for p in final]
         texts = [p for p in parts if "text" in p]
         if not texts:
-            raise BadRequest("continue_final_message: no text to continue in the final message",
-                             param="continue_final_message")  # fmt: skip
+            raise BadRequest(
+                "continue_final_message: no text to continue in the final message",
+                param="continue_final_message",
+            )
         final = texts[-1]["text"]
         texts[-1]["text"] = final + _CONTINUE_TAG
         last["content"] = parts
@@ -225,9 +247,11 @@ def _tag_final_message(
 def _cut_at_tag(rendered: str, final: str) -> str:
     tag = _CONTINUE_TAG.strip()
     if final.strip() not in rendered or tag not in rendered:
-        raise BadRequest("continue_final_message is set but the final message does not appear "
-                         "in the chat after applying the chat template",
-                         param="continue_final_message")  # fmt: skip
+        raise BadRequest(
+            "continue_final_message is set but the final message does not appear "
+            "in the chat after applying the chat template",
+            param="continue_final_message",
+        )
     loc = rendered.rindex(tag)
     if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return rendered[:loc]

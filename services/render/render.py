@@ -30,6 +30,7 @@ from shared.wire import (
     GenerateRequest,
     SamplingFields,
     StreamOptions,
+    TokenIds,
 )
 
 
@@ -54,22 +55,29 @@ def check_model(model: str | None, settings: RenderSettings) -> str:
     if model not in settings.served_model_names:
         raise NotFound(
             f"The model `{model}` does not exist. Valid aliases: "
-            f"{', '.join(settings.served_model_names)}.", param="model")  # fmt: skip
+            f"{', '.join(settings.served_model_names)}.",
+            param="model",
+        )
     return model
 
 
 def _common_checks(request: SamplingFields) -> None:
     if request.use_beam_search:
-        raise BadRequest("Beam search is not supported by the render endpoint",
-                         param="use_beam_search")  # fmt: skip
+        raise BadRequest(
+            "Beam search is not supported by the render endpoint", param="use_beam_search"
+        )
     if request.echo:
         raise BadRequest("echo is not supported by tokenline", param="echo")
     if request.stream_options is not None and not request.stream:
-        raise BadRequest("Stream options can only be defined when `stream=True`.",
-                         param="stream_options")  # fmt: skip
+        raise BadRequest(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
     if request.cache_salt is not None and not _valid_salt(request.cache_salt):
-        raise BadRequest("Parameter 'cache_salt' must be at most 128 characters and must not "
-                         "contain '@', '/', '\\', or NUL.", param="cache_salt")  # fmt: skip
+        raise BadRequest(
+            "Parameter 'cache_salt' must be at most 128 characters and must not "
+            "contain '@', '/', '\\', or NUL.",
+            param="cache_salt",
+        )
 
 
 def _valid_salt(salt: str) -> bool:
@@ -114,9 +122,10 @@ def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[
     out = []
     for message in messages:
         text = _content_text(message)
-        item: dict[str, Any] = {"role": message.role,
-                                "content": [{"type": "text", "text": text}]
-                                if content_format == "openai" else text}  # fmt: skip
+        item: dict[str, Any] = {
+            "role": message.role,
+            "content": [{"type": "text", "text": text}] if content_format == "openai" else text,
+        }
         if message.role == "assistant" and (calls := _tool_calls(message)) is not None:
             item["tool_calls"] = calls
         if message.role == "assistant" and message.reasoning is not None:
@@ -134,9 +143,11 @@ def _template_kwargs(request: ChatCompletionRequest, settings: RenderSettings) -
     kwargs |= request.chat_template_kwargs or {}
     untrusted = request.chat_template is not None or "chat_template" in kwargs
     if untrusted and not settings.trust_request_chat_template:
-        raise BadRequest("Chat template is passed with request, but --trust-request-chat-template "
-                         "is not set. Refused request with untrusted chat template.",
-                         param="chat_template")  # fmt: skip
+        raise BadRequest(
+            "Chat template is passed with request, but --trust-request-chat-template "
+            "is not set. Refused request with untrusted chat template.",
+            param="chat_template",
+        )
     for reserved in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
     return kwargs
@@ -148,29 +159,39 @@ def _check_tool_choice(request: ChatCompletionRequest) -> None:
     if request.tools is None and choice in (None, "none"):
         return
     if choice in (None, "auto"):
-        raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
-                         "--tool-call-parser to be set", param="tool_choice")  # fmt: skip
+        raise BadRequest(
+            '"auto" tool choice requires --enable-auto-tool-choice and '
+            "--tool-call-parser to be set",
+            param="tool_choice",
+        )
     if choice != "none":
-        raise BadRequest("tool_choice other than \"none\" requires --tool-call-parser to be set",
-                         param="tool_choice")  # fmt: skip
+        raise BadRequest(
+            'tool_choice other than "none" requires --tool-call-parser to be set',
+            param="tool_choice",
+        )
 
 
-def chat_prompt(request: ChatCompletionRequest, tok: ModelTokenizer,
-                settings: RenderSettings) -> str:  # fmt: skip
+def chat_prompt(
+    request: ChatCompletionRequest, tok: ModelTokenizer, settings: RenderSettings
+) -> str:
     if request.continue_final_message and request.add_generation_prompt:
-        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` "
-                         "to True.", param="continue_final_message")  # fmt: skip
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
     kwargs = _template_kwargs(request, settings)
     template = request.chat_template or kwargs.pop("chat_template", None)
     _check_tool_choice(request)
     tools = None if request.tools is None else [msgspec.to_builtins(t) for t in request.tools]
     try:
         return tok.apply_chat_template(
-            conversation(request.messages, tok.content_format), tools=tools,
+            conversation(request.messages, tok.content_format),
+            tools=tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            template=template, kwargs=kwargs,
-        )  # fmt: skip
+            template=template,
+            kwargs=kwargs,
+        )
     except jinja2.TemplateError as exc:
         raise BadRequest(f"chat template error: {exc}", param="messages") from exc
 
@@ -178,31 +199,45 @@ def chat_prompt(request: ChatCompletionRequest, tok: ModelTokenizer,
 def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
     top = request.top_logprobs
     if top not in (None, 0) and not request.logprobs:
-        raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true.",
-                         param="top_logprobs")  # fmt: skip
+        raise BadRequest(
+            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+        )
     if top is not None and top > MAX_LOGPROBS:
-        raise BadRequest(f"top_logprobs must be at most {MAX_LOGPROBS}, got {top}.",
-                         param="top_logprobs")  # fmt: skip
+        raise BadRequest(
+            f"top_logprobs must be at most {MAX_LOGPROBS}, got {top}.", param="top_logprobs"
+        )
     return (top or 0) if request.logprobs else None
 
 
 def _generate_request(
-    request: SamplingFields, request_id: str, token_ids: list[int], model: str,
-    max_tokens: int, logprobs: int | None, tok: ModelTokenizer,
-) -> GenerateRequest:  # fmt: skip
+    request: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    token_ids: list[int],
+    model: str,
+    max_tokens: int,
+    logprobs: int | None,
+    tok: ModelTokenizer,
+) -> GenerateRequest:
     return GenerateRequest(
-        request_id=request_id, token_ids=token_ids,
-        sampling_params=sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
-                                        tok=tok),
-        model=model, stream=request.stream,
+        request_id=request_id,
+        token_ids=token_ids,
+        sampling_params=sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, tok=tok),
+        model=model,
+        stream=request.stream,
         stream_options=(request.stream_options or StreamOptions()) if request.stream else None,
-        return_token_ids=request.return_token_ids, cache_salt=request.cache_salt,
-        priority=request.priority, kv_transfer_params=request.kv_transfer_params,
-    )  # fmt: skip
+        return_token_ids=request.return_token_ids,
+        cache_salt=request.cache_salt,
+        priority=request.priority,
+        kv_transfer_params=request.kv_transfer_params,
+    )
 
 
-def render_chat(request: ChatCompletionRequest, tok: ModelTokenizer, settings: RenderSettings,
-                header_request_id: str | None = None) -> GenerateRequest:  # fmt: skip
+def render_chat(
+    request: ChatCompletionRequest,
+    tok: ModelTokenizer,
+    settings: RenderSettings,
+    header_request_id: str | None = None,
+) -> GenerateRequest:
     """`/v1/chat/completions/render`."""
     model = check_model(request.model, settings)
     _common_checks(request)
@@ -211,11 +246,14 @@ def render_chat(request: ChatCompletionRequest, tok: ModelTokenizer, settings: R
     token_ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
     if not token_ids:
         raise BadRequest("No token_ids rendered", param="messages")
-    requested, param = ((request.max_completion_tokens, "max_completion_tokens")
-                        if request.max_completion_tokens is not None
-                        else (request.max_tokens, "max_tokens"))  # fmt: skip
-    max_tokens = max_tokens_for(requested, param, len(token_ids), settings.max_model_len,
-                                tok.generation_defaults())  # fmt: skip
+    requested, param = (
+        (request.max_completion_tokens, "max_completion_tokens")
+        if request.max_completion_tokens is not None
+        else (request.max_tokens, "max_tokens")
+    )
+    max_tokens = max_tokens_for(
+        requested, param, len(token_ids), settings.max_model_len, tok.generation_defaults()
+    )
     request_id = "chatcmpl-" + (header_request_id or request.request_id or random_id())
     return _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
 
@@ -233,34 +271,49 @@ def prompts_of(request: CompletionRequest, tok: ModelTokenizer) -> list[list[int
         raise BadRequest("prompt must not be empty", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         return [tok.encode(p, add_special_tokens=add_special) for p in prompt]
-    shaped = msgspec.convert(prompt, list[int] | list[list[int]])
-    lists: list[list[int]] = [shaped] if isinstance(shaped[0], int) else shaped  # type: ignore[list-item]
+    try:
+        lists = (
+            [msgspec.convert(prompt, TokenIds)]
+            if isinstance(prompt[0], int)
+            else msgspec.convert(prompt, list[TokenIds])
+        )
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"prompt: {exc}", param="prompt") from exc
     for i, ids in enumerate(lists):
         if not ids:
             raise BadRequest(f"prompt {i} is empty", param="prompt")
-        if min(ids) < 0:
-            raise BadRequest(f"prompt {i} contains a negative token ID", param="prompt")
         check_token_ids(ids, tok.vocab_size, "prompt")
     return lists
 
 
-def render_completion(request: CompletionRequest, tok: ModelTokenizer, settings: RenderSettings,
-                      header_request_id: str | None = None) -> list[GenerateRequest]:  # fmt: skip
+def render_completion(
+    request: CompletionRequest,
+    tok: ModelTokenizer,
+    settings: RenderSettings,
+    header_request_id: str | None = None,
+) -> list[GenerateRequest]:
     """`/v1/completions/render`: one generate request per prompt."""
     model = check_model(request.model, settings)
     _common_checks(request)
     if request.suffix is not None:
-        raise BadRequest("suffix is only supported for models with FIM completion rendering",
-                         param="suffix")  # fmt: skip
+        raise BadRequest(
+            "suffix is only supported for models with FIM completion rendering", param="suffix"
+        )
     if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
-        raise BadRequest(f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}.",
-                         param="logprobs")  # fmt: skip
+        raise BadRequest(
+            f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}.", param="logprobs"
+        )
     prompts = prompts_of(request, tok)
     base = "cmpl-" + (header_request_id or request.request_id or random_id())
     out = []
     for i, ids in enumerate(prompts):
-        max_tokens = max_tokens_for(request.max_tokens, "max_tokens", len(ids),
-                                    settings.max_model_len, tok.generation_defaults())  # fmt: skip
+        max_tokens = max_tokens_for(
+            request.max_tokens,
+            "max_tokens",
+            len(ids),
+            settings.max_model_len,
+            tok.generation_defaults(),
+        )
         rid = base if len(prompts) == 1 else f"{base}-{i}"
         out.append(_generate_request(request, rid, ids, model, max_tokens, request.logprobs, tok))
     return out

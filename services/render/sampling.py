@@ -25,19 +25,26 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def max_tokens_for(
-    requested: int | None, param: str, prompt_len: int, max_model_len: int,
+    requested: int | None,
+    param: str,
+    prompt_len: int,
+    max_model_len: int,
     defaults: dict[str, Any],
-) -> int:  # fmt: skip
+) -> int:
     """vLLM's `get_max_tokens` plus the bounds its tokenize step checks."""
     if requested is not None and requested > max_model_len:
         raise BadRequest(
             f"{param}={requested} cannot be greater than max_model_len={max_model_len}. "
-            f"Please request fewer output tokens.", param=param)  # fmt: skip
+            f"Please request fewer output tokens.",
+            param=param,
+        )
     if prompt_len >= max_model_len:
         raise BadRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"prompt contains {prompt_len} input tokens, which leaves no room for output "
-            f"tokens. Please reduce the length of the input prompt.", param="input_tokens")  # fmt: skip
+            f"tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
+        )
     fallback = requested if requested is not None else defaults.get("max_tokens")
     budget = max_model_len - prompt_len
     return min(budget, fallback) if fallback is not None else budget
@@ -49,7 +56,9 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         if token_id >= vocab_size:
             raise BadRequest(
                 f"Token ID {token_id} at position {i} is out of vocabulary "
-                f"(vocab_size={vocab_size}).", param=param)  # fmt: skip
+                f"(vocab_size={vocab_size}).",
+                param=param,
+            )
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -69,24 +78,33 @@ def _check_values(params: SamplingParams) -> None:
     if params.n > 1 and params.temperature < 1e-5:
         raise BadRequest(f"n must be 1 when using greedy sampling, got {params.n}.", param="n")
     if params.top_k < -1:
-        raise BadRequest(f"top_k must be 0 (disable), or at least 1, got {params.top_k}.",
-                         param="top_k")  # fmt: skip
+        raise BadRequest(
+            f"top_k must be 0 (disable), or at least 1, got {params.top_k}.", param="top_k"
+        )
     max_tokens = params.max_tokens
     if isinstance(max_tokens, int) and params.min_tokens > max_tokens:
-        raise BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-                         f"got {params.min_tokens}.", param="min_tokens")  # fmt: skip
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {params.min_tokens}.",
+            param="min_tokens",
+        )
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-        raise BadRequest(f"Requested sample logprobs of {params.logprobs}, which is greater "
-                         f"than max allowed: {MAX_LOGPROBS}", param="logprobs")  # fmt: skip
+        raise BadRequest(
+            f"Requested sample logprobs of {params.logprobs}, which is greater "
+            f"than max allowed: {MAX_LOGPROBS}",
+            param="logprobs",
+        )
 
 
-def _chosen(request: ChatCompletionRequest | CompletionRequest,
-            defaults: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _chosen(
+    request: ChatCompletionRequest | CompletionRequest, defaults: dict[str, Any]
+) -> dict[str, Any]:
     return {
-        name: value if (value := getattr(request, name)) is not None
+        name: value
+        if (value := getattr(request, name)) is not None
         else defaults.get(name, default)
         for name, default in SAMPLING_DEFAULTS.items()
-    }  # fmt: skip
+    }
 
 
 def sampling_params(
@@ -104,12 +122,16 @@ def sampling_params(
     for name in ("stop_token_ids", "allowed_token_ids"):
         check_token_ids(getattr(request, name) or [], tok.vocab_size, name)
     params = SamplingParams(
-        n=request.n, **chosen,
+        n=request.n,
+        **chosen,
         seed=None if request.seed == -1 else request.seed,
         stop=stop_list(request.stop) or None,
         stop_token_ids=request.stop_token_ids or None,
-        ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens,
-        logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+        ignore_eos=request.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=_logit_bias(request.logit_bias, tok.vocab_size),
@@ -117,6 +139,6 @@ def sampling_params(
         extra_args=request.vllm_xargs or None,
         output_kind=OUTPUT_DELTA if request.stream else OUTPUT_FINAL_ONLY,
         skip_clone=True,
-    )  # fmt: skip
+    )
     _check_values(params)
     return params

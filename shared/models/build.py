@@ -12,6 +12,7 @@ import base64
 import json
 import os
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,45 @@ CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # The 26 added tokens of the Qwen2.5/Qwen3 vocabulary, at ids 151643..151668, in order.
 QWEN3_ADDED = (
     *CHATML_SPECIALS,
-    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
-    "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
-    "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
-    "<tool_response>", "</tool_response>", "<think>", "</think>",
-)  # fmt: skip
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 # Added tokens that are not "special" (they survive skip_special_tokens), as in Qwen's config.
-QWEN3_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                     "<think>", "</think>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-                     "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}  # fmt: skip
+QWEN3_NOT_SPECIAL = {
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+}
 QWEN3_BASE_VOCAB = 151_643
 QWEN3_MODEL_VOCAB = 151_936
 QWEN_SPLIT = (
@@ -61,8 +91,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _added_token(token_id: int, content: str, special: bool = True) -> dict[str, Any]:
-    return {"id": token_id, "content": content, "single_word": False, "lstrip": False,
-            "rstrip": False, "normalized": False, "special": special}  # fmt: skip
+    return {
+        "id": token_id,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": special,
+    }
 
 
 def train_tiny_tokenizer(vocab_size: int = 4096) -> str:
@@ -74,10 +111,12 @@ def train_tiny_tokenizer(vocab_size: int = 4096) -> str:
     # Qwen2's pipeline exactly: transformers 5 rebuilds it for model_type "qwen2" whatever
     # tokenizer.json says, so any other pipeline would tokenize differently under vLLM.
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -93,9 +132,7 @@ def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[byt
     """Run tiktoken's BPE on `token` with merges below `max_rank`: the last pair it merges."""
     parts = [bytes([b]) for b in token]
     while len(parts) > 1:
-        best = min(
-            ((ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))),
-        )
+        best = min((ranks.get(a + b, max_rank), i) for i, (a, b) in enumerate(pairwise(parts)))
         if best[0] >= max_rank:
             break
         i = best[1]
@@ -118,8 +155,9 @@ def qwen3_tokenizer_json() -> str:
             continue
         parts = _bpe_parts(ranks, tok, rank)
         if len(parts) == 2:
-            merges.append((rank, "".join(to_uni[b] for b in parts[0]),
-                           "".join(to_uni[b] for b in parts[1])))  # fmt: skip
+            merges.append(
+                (rank, "".join(to_uni[b] for b in parts[0]), "".join(to_uni[b] for b in parts[1]))
+            )
     merges.sort()
     added = [
         _added_token(QWEN3_BASE_VOCAB + i, t, t not in QWEN3_NOT_SPECIAL)
@@ -134,21 +172,39 @@ def qwen3_tokenizer_json() -> str:
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": QWEN_SPLIT}, "behavior": "Isolated",
-                 "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                 "use_regex": False},
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": QWEN_SPLIT},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {
+                    "type": "ByteLevel",
+                    "add_prefix_space": False,
+                    "trim_offsets": False,
+                    "use_regex": False,
+                },
             ],
-        },  # fmt: skip
+        },
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                    "use_regex": False},  # fmt: skip
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": False,
+            "use_regex": False,
+        },
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-            "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-            "ignore_merges": False, "vocab": vocab,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
             "merges": [[left, right] for _, left, right in merges],
-        },  # fmt: skip
+        },
     }
     return json.dumps(spec, ensure_ascii=False)
 
@@ -196,10 +252,14 @@ def _qwen2_config(vocab_size: int, eos: int, pad: int) -> dict[str, Any]:
     }
 
 
-def _qwen2_weights(cfg: dict[str, Any], seed: int, dtype: type) -> dict[str, np.ndarray]:
+def _qwen2_weights(cfg: dict[str, Any], seed: int, dtype: np.dtype[Any]) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    h, inter, heads, kv = (cfg["hidden_size"], cfg["intermediate_size"],
-                           cfg["num_attention_heads"], cfg["num_key_value_heads"])  # fmt: skip
+    h, inter, heads, kv = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+    )
     kv_dim = h // heads * kv
 
     def rand(*shape: int, std: float = 0.02) -> np.ndarray:
@@ -207,23 +267,27 @@ def _qwen2_weights(cfg: dict[str, Any], seed: int, dtype: type) -> dict[str, np.
 
     # An untied head keeps the random model from echoing its input token forever: its
     # next-token distribution is peaked enough for greedy runs and varied across contexts.
-    weights = {"model.embed_tokens.weight": rand(cfg["vocab_size"], h, std=0.5),
-               "lm_head.weight": rand(cfg["vocab_size"], h, std=0.05),
-               "model.norm.weight": np.ones(h, dtype=dtype)}  # fmt: skip
+    weights = {
+        "model.embed_tokens.weight": rand(cfg["vocab_size"], h, std=0.5),
+        "lm_head.weight": rand(cfg["vocab_size"], h, std=0.05),
+        "model.norm.weight": np.ones(h, dtype=dtype),
+    }
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
-            p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.q_proj.bias": rand(h),
+            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.q_proj.bias": rand(h),
             p + "self_attn.k_proj.weight": rand(kv_dim, h),
             p + "self_attn.k_proj.bias": rand(kv_dim),
             p + "self_attn.v_proj.weight": rand(kv_dim, h),
             p + "self_attn.v_proj.bias": rand(kv_dim),
             p + "self_attn.o_proj.weight": rand(h, h),
-            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.gate_proj.weight": rand(inter, h),
+            p + "mlp.up_proj.weight": rand(inter, h),
             p + "mlp.down_proj.weight": rand(h, inter),
             p + "input_layernorm.weight": np.ones(h, dtype=dtype),
             p + "post_attention_layernorm.weight": np.ones(h, dtype=dtype),
-        }  # fmt: skip
+        }
     return weights
 
 
@@ -242,22 +306,26 @@ def build(name: str, out: Path) -> Path:
         tokenizer_json = train_tiny_tokenizer()
         added = dict(enumerate(CHATML_SPECIALS))
         not_special: set[str] = set()
-        vocab_size, dtype, seed = 4096, np.float32, 1
+        dtype: np.dtype[Any]
+        vocab_size, dtype, seed = 4096, np.dtype(np.float32), 1
     else:
         tokenizer_json = qwen3_tokenizer_json()
         added = {QWEN3_BASE_VOCAB + i: t for i, t in enumerate(QWEN3_ADDED)}
         not_special = QWEN3_NOT_SPECIAL
-        vocab_size, dtype, seed = QWEN3_MODEL_VOCAB, np.float16, 2
+        vocab_size, dtype, seed = QWEN3_MODEL_VOCAB, np.dtype(np.float16), 2
     ids = {t: i for i, t in added.items()}
     eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     (out / "tokenizer.json").write_text(tokenizer_json)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(added, not_special))
     cfg = _qwen2_config(vocab_size, eos, pad)
-    cfg["torch_dtype"] = np.dtype(dtype).name
+    cfg["torch_dtype"] = dtype.name
     _write_json(out / "config.json", cfg)
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": pad, "eos_token_id": [eos, pad], "max_new_tokens": 2048})  # fmt: skip
-    save_file(_qwen2_weights(cfg, seed, dtype), str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": pad, "eos_token_id": [eos, pad], "max_new_tokens": 2048},
+    )
+    save_file(
+        _qwen2_weights(cfg, seed, dtype), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     (out / ".complete").write_text(name + "\n")
     return out

@@ -9,12 +9,62 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-WORDS = (
-    "the quick brown fox jumps over lazy dog serving model token stream request response "
-    "prefill decode render derender proxy cache latency throughput engine batch queue worker "
-    "hello world python rust async await return yield import class function value error test "
-    "data time system people water number sound light night house story music paper friend"
-).split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "serving",
+    "model",
+    "token",
+    "stream",
+    "request",
+    "response",
+    "prefill",
+    "decode",
+    "render",
+    "derender",
+    "proxy",
+    "cache",
+    "latency",
+    "throughput",
+    "engine",
+    "batch",
+    "queue",
+    "worker",
+    "hello",
+    "world",
+    "python",
+    "rust",
+    "async",
+    "await",
+    "return",
+    "yield",
+    "import",
+    "class",
+    "function",
+    "value",
+    "error",
+    "test",
+    "data",
+    "time",
+    "system",
+    "people",
+    "water",
+    "number",
+    "sound",
+    "light",
+    "night",
+    "house",
+    "story",
+    "music",
+    "paper",
+    "friend",
+]
 
 CODE = (
     "def {w}(x):\n    return x + 1\n",
@@ -37,7 +87,9 @@ SCRIPTS = {
 }
 
 # A few frequent CJK/kana/Hangul words so that common characters do merge.
-COMMON = "你好 世界 中文 模型 日本語 こんにちは ありがとう カタカナ 안녕하세요 감사합니다 한국어 😀 🎉 ❤️"
+COMMON = (
+    "你好 世界 中文 模型 日本語 こんにちは ありがとう カタカナ 안녕하세요 감사합니다 한국어 😀 🎉 ❤️"
+)
 
 
 def _script_run(rng: random.Random, name: str) -> str:

@@ -1,0 +1,128 @@
+"""The render service: `make_app(config)` wires routes, the executor and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from services.render import worker
+from services.render.config import RenderConfig
+from services.render.render import RenderSettings
+from shared.http import json_response, make_base_app, read_json_body
+from shared.metrics import ServiceMetrics
+from shared.tokenizer import ModelTokenizer
+from shared.wire import ModelCard, ModelList
+
+RenderFn = Callable[[bytes, str | None], worker.Rendered]
+
+
+@dataclass
+class RenderState:
+    """What the handlers use; created and torn down by `executor_ctx`."""
+
+    executor: Executor
+    chat: RenderFn
+    completion: RenderFn
+    settings: RenderSettings
+
+
+STATE = web.AppKey("render_state", RenderState)
+METRICS = web.AppKey("render_metrics", ServiceMetrics)
+CONFIG = web.AppKey("render_config", RenderConfig)
+PROMPT_TOKENS = web.AppKey("render_prompt_tokens", Counter)
+
+
+def settings_for(config: RenderConfig, tok: ModelTokenizer) -> RenderSettings:
+    return RenderSettings(
+        served_model_names=config.names,
+        max_model_len=config.max_model_len or tok.max_position_embeddings,
+        trust_request_chat_template=config.trust_request_chat_template,
+    )
+
+
+async def _start_processes(config: RenderConfig, settings: RenderSettings) -> RenderState:
+    pool = ProcessPoolExecutor(
+        config.workers,
+        initializer=worker.init_process,
+        initargs=(config.model, config.chat_template, settings),
+    )
+    loop = asyncio.get_running_loop()
+    # Start every worker (and load its tokenizer) before /health can answer.
+    await asyncio.gather(
+        *(loop.run_in_executor(pool, worker.process_ready) for _ in range(config.workers))
+    )
+    return RenderState(pool, worker.process_chat, worker.process_completion, settings)
+
+
+def _start_threads(
+    config: RenderConfig, tok: ModelTokenizer, settings: RenderSettings
+) -> RenderState:
+    renderer = worker.Renderer(tok, settings)
+    pool = ThreadPoolExecutor(config.workers, thread_name_prefix="render")
+    return RenderState(pool, renderer.chat, renderer.completion, settings)
+
+
+async def executor_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    tok = await asyncio.to_thread(ModelTokenizer.load, config.model, config.chat_template)
+    settings = settings_for(config, tok)
+    if config.executor == "process":
+        app[STATE] = await _start_processes(config, settings)
+    else:
+        app[STATE] = _start_threads(config, tok, settings)
+    yield
+    app[STATE].executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _render(request: web.Request, pick: Callable[[RenderState], RenderFn]) -> web.Response:
+    body = await read_json_body(request)
+    state = request.app[STATE]
+    call = functools.partial(pick(state), body, request.headers.get("X-Request-Id"))
+    rendered = await asyncio.get_running_loop().run_in_executor(state.executor, call)
+    request.app[PROMPT_TOKENS].inc(rendered.prompt_tokens)
+    return web.Response(body=rendered.body, content_type="application/json")
+
+
+async def chat_render(request: web.Request) -> web.Response:
+    return await _render(request, lambda s: s.chat)
+
+
+async def completion_render(request: web.Request) -> web.Response:
+    return await _render(request, lambda s: s.completion)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def models(request: web.Request) -> web.Response:
+    settings = request.app[STATE].settings
+    return json_response(
+        ModelList(
+            data=[
+                ModelCard(id=n, max_model_len=settings.max_model_len)
+                for n in settings.served_model_names
+            ]
+        )
+    )
+
+
+def make_app(config: RenderConfig) -> web.Application:
+    metrics = ServiceMetrics("render")
+    app = make_base_app([metrics.middleware()])
+    app[CONFIG] = config
+    app[METRICS] = metrics
+    app[PROMPT_TOKENS] = metrics.counter("prompt_tokens", "Prompt tokens rendered")
+    app.cleanup_ctx.append(executor_ctx)
+    app.router.add_post("/v1/chat/completions/render", chat_render)
+    app.router.add_post("/v1/completions/render", completion_render)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics.handle)
+    return app

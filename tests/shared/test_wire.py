@@ -1,0 +1,124 @@
+"""Wire types against a real tokens-only vLLM: decode what it sends, encode what it accepts."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared.wire import (
+    GENERATE_CHUNK,
+    GENERATE_REQUEST,
+    GENERATE_RESPONSE,
+    JSON,
+    GenerateRequest,
+    SamplingParams,
+    StreamOptions,
+)
+from tests.conftest import Fleet
+from tests.http import post, post_raw, sse_payloads
+
+PROMPT = [1388, 468, 648, 628, 504]
+
+
+def generate_url(fleet: Fleet) -> str:
+    return fleet.generate.url + "/inference/v1/generate"
+
+
+def test_non_stream_response_with_logprobs_decodes(fleet: Fleet) -> None:
+    body = {
+        "token_ids": PROMPT,
+        "sampling_params": {"max_tokens": 6, "temperature": 0, "logprobs": 3},
+    }
+    resp = GENERATE_RESPONSE.decode(post_raw(generate_url(fleet), body))
+    choice = resp.choices[0]
+    assert resp.request_id.startswith("generate-tokens-")
+    assert choice.finish_reason == "length"
+    assert choice.token_ids is not None and len(choice.token_ids) == 6
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert [e.token_id for e in entries] == choice.token_ids
+    assert all(1 <= len(e.top_logprobs) <= 4 for e in entries)
+    assert all(
+        isinstance(t.token_id, int) and t.logprob <= 0 for e in entries for t in e.top_logprobs
+    )
+    assert resp.usage is not None and resp.usage.completion_tokens == 6
+    assert choice.weight_versions is not None and choice.weight_versions[0].end == 6
+
+
+def test_stream_chunks_decode_and_add_up(fleet: Fleet) -> None:
+    body = {
+        "token_ids": PROMPT,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 1},
+    }
+    chunks = [GENERATE_CHUNK.decode(p) for p in sse_payloads(post_raw(generate_url(fleet), body))]
+    ids = [i for c in chunks for ch in c.choices for i in (ch.token_ids or [])]
+    assert len(ids) == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
+    finals = [ch for c in chunks for ch in c.choices if ch.finish_reason]
+    assert [f.finish_reason for f in finals] == ["length"]
+    assert all(ch.logprobs is not None for c in chunks for ch in c.choices)
+
+
+def test_encoded_request_is_accepted(fleet: Fleet) -> None:
+    req = GenerateRequest(
+        request_id="wire-encode",
+        token_ids=PROMPT,
+        sampling_params=SamplingParams(max_tokens=3, temperature=0.0, seed=7, logprobs=0),
+        stream=False,
+        cache_salt="salt-1",
+        kv_transfer_params=None,
+    )
+    status, resp = post(generate_url(fleet), JSON.encode(req))
+    assert status == 200, resp
+    assert resp["request_id"] == "generate-tokens-wire-encode"
+    assert len(resp["choices"][0]["token_ids"]) == 3
+
+
+def test_unset_max_tokens_is_not_sent() -> None:
+    """Absent max_tokens means "what fits" to generate; it must never go out as 16 or null."""
+    raw = JSON.encode(SamplingParams())
+    assert b"max_tokens" not in raw
+    assert b'"max_tokens":5' in JSON.encode(SamplingParams(max_tokens=5))
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"token_ids": [1, -2], "sampling_params": {}}', "$.token_ids[1]"),
+        (b'{"token_ids": "abc", "sampling_params": {}}', "$.token_ids"),
+        (b'{"token_ids": [], "sampling_params": {}}', "$.token_ids"),
+        (b'{"sampling_params": {}}', "token_ids"),
+    ],
+)
+def test_bad_generate_requests_name_the_field(body: bytes, field: str) -> None:
+    with pytest.raises(
+        msgspec.ValidationError, match=field.replace("$", r"\$").replace("[", r"\[")
+    ):
+        GENERATE_REQUEST.decode(body)
+
+
+def test_kv_transfer_params_read_from_either_placement() -> None:
+    params = {"do_remote_decode": True}
+    top = GENERATE_REQUEST.decode(
+        JSON.encode({"token_ids": [1], "sampling_params": {}, "kv_transfer_params": params})
+    )
+    nested = GENERATE_REQUEST.decode(
+        JSON.encode(
+            {"token_ids": [1], "sampling_params": {"extra_args": {"kv_transfer_params": params}}}
+        )
+    )
+    assert top.transfer_params() == nested.transfer_params() == params
+
+
+def test_stream_options_round_trip() -> None:
+    req = GenerateRequest(
+        token_ids=[1],
+        sampling_params=SamplingParams(max_tokens=1),
+        stream=True,
+        stream_options=StreamOptions(include_usage=True),
+    )
+    back = GENERATE_REQUEST.decode(JSON.encode(req))
+    assert back.stream_options == StreamOptions(include_usage=True)
