@@ -170,6 +170,8 @@ Prompt = str | list[Any]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    """OpenAI's legacy default; an explicit null also means 16 (as in vLLM)."""
     logprobs: Annotated[int, Meta(ge=-1)] | None = None
     suffix: str | None = None
 
@@ -212,7 +214,7 @@ class SamplingParams(Out, kw_only=True):
     skip_clone: bool = False
 
 
-class GenerateRequest(Out, kw_only=True):
+class GenerateRequest(Wire, kw_only=True):
     """Body of `POST /inference/v1/generate`, and what `/render` returns.
 
     `kv_transfer_params` may sit here (vLLM 0.33) or in `sampling_params.extra_args` (0.32);

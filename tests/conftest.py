@@ -6,6 +6,7 @@ and stopped at the end. A missing vLLM environment is an error, never a skip.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,8 +56,23 @@ class Fleet:
         return [self.generate, self.oracle, self.oracle_qwen3, self.render, self.render_qwen3]
 
 
+REUSE = servers.REPO / "build" / "fleet.json"
+
+
+def _reused() -> Fleet | None:
+    """Developer speed-up: with TOKENLINE_REUSE_FLEET=1 a fleet outlives the run and the next
+    run reuses it (never in CI, which always starts its own)."""
+    if os.environ.get("TOKENLINE_REUSE_FLEET") != "1" or not REUSE.exists():
+        return None
+    found = {k: Server(k, [], port) for k, port in json.loads(REUSE.read_text()).items()}
+    return Fleet(**found) if all(s.healthy() for s in found.values()) else None
+
+
 @pytest.fixture(scope="session")
 def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
+    if (reused := _reused()) is not None:
+        yield reused
+        return
     f = Fleet(
         generate=servers.tokens_only("vllm-generate-tiny", tiny_model, "tiny"),
         oracle=servers.oracle("vllm-oracle-tiny", tiny_model, "tiny"),
@@ -69,7 +85,12 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
             server.start()
         for server in f.all():
             server.wait()
+        if os.environ.get("TOKENLINE_REUSE_FLEET") == "1":
+            REUSE.write_text(json.dumps({k: v.port for k, v in vars(f).items()}))
+            yield f
+            return
         yield f
     finally:
-        for server in f.all():
-            server.stop()
+        if os.environ.get("TOKENLINE_REUSE_FLEET") != "1":
+            for server in f.all():
+                server.stop()

@@ -213,7 +213,7 @@ def _generate_request(
     request: ChatCompletionRequest | CompletionRequest,
     request_id: str,
     token_ids: list[int],
-    model: str,
+    model: str | None,
     max_tokens: int,
     logprobs: int | None,
     tok: ModelTokenizer,
@@ -239,7 +239,8 @@ def render_chat(
     header_request_id: str | None = None,
 ) -> GenerateRequest:
     """`/v1/chat/completions/render`."""
-    model = check_model(request.model, settings)
+    check_model(request.model, settings)
+    model = request.model  # vLLM echoes the request's (None: generate uses its default)
     _common_checks(request)
     logprobs = _chat_logprobs(request)
     prompt = chat_prompt(request, tok, settings)
@@ -293,7 +294,8 @@ def render_completion(
     header_request_id: str | None = None,
 ) -> list[GenerateRequest]:
     """`/v1/completions/render`: one generate request per prompt."""
-    model = check_model(request.model, settings)
+    check_model(request.model, settings)
+    model = request.model
     _common_checks(request)
     if request.suffix is not None:
         raise BadRequest(
@@ -308,7 +310,7 @@ def render_completion(
     out = []
     for i, ids in enumerate(prompts):
         max_tokens = max_tokens_for(
-            request.max_tokens,
+            request.max_tokens or 16,
             "max_tokens",
             len(ids),
             settings.max_model_len,
