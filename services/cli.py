@@ -56,6 +56,7 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from services.derender.config import add_arguments as derender_args
     from services.generate.launcher import add_arguments as generate_args
     from services.render.config import add_arguments as render_args
     from shared.models.build import MODELS
@@ -64,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     for name, add, fn, help_ in (
         ("render", render_args, _render, "chat templates + tokenization service"),
+        ("derender", derender_args, _derender, "token IDs -> OpenAI responses service"),
         (
             "generate",
             generate_args,

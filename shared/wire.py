@@ -428,18 +428,24 @@ class CompletionChunk(Wire, kw_only=True):
 class DerenderStreamState(Wire, kw_only=True):
     """Carried by the caller between streaming derender calls; echo it back unchanged.
 
-    The first six fields are vLLM's. `held_text` (text withheld because it may still become a
-    stop string), `completion_tokens` and `stopped` are tokenline's: they make stop strings work
-    in streaming without any per-request memory on the server.
+    `prev_tokens`, `prefix_offset`, `read_offset`, `role_sent`, `logprob_context_token_ids` and
+    `logprob_text_offset` are vLLM's fields (the first three are unused by tokenline, which keeps
+    token IDs instead of token strings so that a forged state is checkable). The rest are
+    tokenline's: the detokenizer window, the stop-string tail, the tokens counted so far, and
+    whether a stop string already ended the stream. Everything is bounded.
     """
 
-    prev_tokens: Annotated[list[str], Meta(max_length=64)] = []
+    prev_tokens: Annotated[list[str], Meta(max_length=1024)] = []
     prefix_offset: NonNegative = 0
     read_offset: NonNegative = 0
     role_sent: bool = False
     logprob_context_token_ids: Annotated[TokenIds, Meta(max_length=4)] = []
     logprob_text_offset: NonNegative = 0
-    held_text: Annotated[str, Meta(max_length=4096)] = ""
+    detok_ids: Annotated[TokenIds, Meta(max_length=72)] = []
+    detok_prefix: NonNegative = 0
+    last_special: bool = False
+    stop_tail: Annotated[str, Meta(max_length=65536)] = ""
+    unsent_chars: NonNegative = 0
     completion_tokens: NonNegative = 0
     stopped: bool = False
 

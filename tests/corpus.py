@@ -61,8 +61,13 @@ def chat_requests(model: str) -> list[dict[str, Any]]:
                     {"role": "system", "content": "You are terse."},
                     {"role": "user", "content": text},
                     {"role": "assistant", "content": TEXTS[(i + 1) % len(TEXTS)]},
-                    {"role": "user", "content": [{"type": "text", "text": "Again:"},
-                                                 {"type": "text", "text": text}]},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "Again:"},
+                            {"type": "text", "text": text},
+                        ],
+                    },
                 ],
                 "max_completion_tokens": 12,
             }

@@ -36,7 +36,9 @@ def test_serves_chat_and_reports_metrics(render_server: Server) -> None:
     status, raw = get(render_server.url + "/metrics")
     text = raw.decode()
     assert status == 200
-    assert 'tokenline_render_requests_total{route="/v1/chat/completions/render",status="200"}' in text
+    assert (
+        'tokenline_render_requests_total{route="/v1/chat/completions/render",status="200"}' in text
+    )
     assert 'status="400"' in text and "tokenline_render_prompt_tokens_total" in text
     assert "tokenline_render_request_seconds_bucket" in text
 

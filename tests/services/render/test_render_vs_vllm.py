@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -34,7 +33,6 @@ def effective(params: dict[str, Any]) -> dict[str, Any]:
     if isinstance(out["logit_bias"], dict):
         out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
     return out
-
 
 
 @pytest.fixture(params=["tiny", "tiny-qwen3"])

@@ -1,0 +1,187 @@
+"""One choice's tokens to text, as monolithic vLLM produces it (sans-IO).
+
+`ChoiceDecoder.feed()` takes the token IDs (and logprobs) of one generate chunk of one choice,
+and returns the text that may be shown now, the tokens that count, and the final finish/stop
+reasons. Its whole memory is a `ChoiceState`, which round-trips through `DerenderStreamState`
+so that any replica can take the next chunk. Non-streaming is one `feed(..., final=True)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.derender.detok import Detokenizer, DetokState, seed
+from services.derender.stops import StopChecker, StopState
+from shared.errors import InvalidStreamState
+from shared.tokenizer import ModelTokenizer
+from shared.wire import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DerenderStreamState,
+    GenerateLogProbsContent,
+    StopReason,
+)
+
+
+@dataclass(frozen=True)
+class ChoiceOptions:
+    """What the original request says about turning tokens into text."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stops: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest | CompletionRequest | None) -> ChoiceOptions:
+        if request is None:
+            return cls()
+        stop = request.stop
+        stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if s)
+        return cls(
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            stops=stops,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            min_tokens=request.min_tokens,
+            stop_token_ids=frozenset(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+        )
+
+
+@dataclass
+class ChoiceState:
+    detok: DetokState
+    stop: StopState = field(default_factory=StopState)
+    context: list[int] = field(default_factory=list)
+    text_offset: int = 0
+    completion_tokens: int = 0
+    stopped: bool = False
+    role_sent: bool = False
+
+    @classmethod
+    def start(cls, prompt_ids: list[int] | None) -> ChoiceState:
+        return cls(detok=seed(prompt_ids))
+
+    @classmethod
+    def from_wire(cls, s: DerenderStreamState, tok: ModelTokenizer) -> ChoiceState:
+        """Checks what the schema cannot: IDs against the vocabulary, offsets against lengths."""
+        if s.detok_prefix > len(s.detok_ids) or s.unsent_chars > len(s.stop_tail):
+            raise InvalidStreamState(
+                "invalid stream_state: offsets exceed their windows", param="stream_state"
+            )
+        for name, ids in (
+            ("detok_ids", s.detok_ids),
+            ("logprob_context_token_ids", s.logprob_context_token_ids),
+        ):
+            if any(i >= tok.vocab_size for i in ids):
+                raise InvalidStreamState(
+                    f"invalid stream_state: {name} outside the vocabulary",
+                    param=f"stream_state.{name}",
+                )
+        return cls(
+            detok=DetokState(list(s.detok_ids), s.detok_prefix, s.last_special),
+            stop=StopState(s.stop_tail, s.unsent_chars),
+            context=list(s.logprob_context_token_ids),
+            text_offset=s.logprob_text_offset,
+            completion_tokens=s.completion_tokens,
+            stopped=s.stopped,
+            role_sent=s.role_sent,
+        )
+
+    def to_wire(self) -> DerenderStreamState:
+        return DerenderStreamState(
+            role_sent=self.role_sent,
+            logprob_context_token_ids=self.context[-4:],
+            logprob_text_offset=self.text_offset,
+            detok_ids=self.detok.ids,
+            detok_prefix=self.detok.prefix,
+            last_special=self.detok.last_special,
+            stop_tail=self.stop.tail,
+            unsent_chars=self.stop.unsent,
+            completion_tokens=self.completion_tokens,
+            stopped=self.stopped,
+        )
+
+
+@dataclass
+class ChoiceOutput:
+    text: str
+    token_ids: list[int]
+    logprobs: list[GenerateLogProbsContent] | None
+    finish_reason: str | None
+    stop_reason: StopReason
+    stop_string: str | None = None  # set when a stop string ended the output in this chunk
+    text_offset: int = 0  # where this chunk's text starts in the whole output
+    context: list[int] = field(default_factory=list)  # sampled IDs before this chunk (logprobs)
+
+
+@dataclass
+class ChoiceDecoder:
+    tok: ModelTokenizer
+    options: ChoiceOptions
+    state: ChoiceState
+
+    def _is_stop_token(self, ids: list[int], finish: str | None, reason: StopReason) -> bool:
+        """The last ID is an EOS/stop token that the text leaves out (vLLM's stop_terminated)."""
+        return (
+            bool(ids)
+            and finish == "stop"
+            and not isinstance(reason, str)
+            and not self.options.include_stop_str_in_output
+        )
+
+    def _public_reason(self, reason: StopReason) -> StopReason:
+        """A tokens-only engine reports its primary EOS as stop_reason; vLLM with a tokenizer
+        reports None for it. Clients see the latter."""
+        if (
+            isinstance(reason, int)
+            and reason == self.tok.eos_token_id
+            and reason not in self.options.stop_token_ids
+        ):
+            return None
+        return reason
+
+    def feed(
+        self,
+        ids: list[int],
+        logprobs: list[GenerateLogProbsContent] | None,
+        finish_reason: str | None,
+        stop_reason: StopReason,
+    ) -> ChoiceOutput:
+        state, opts = self.state, self.options
+        if state.stopped:  # a stop string already ended this choice: later tokens do not exist
+            return ChoiceOutput("", [], [] if logprobs is not None else None, None, None)
+        detok = Detokenizer(
+            self.tok, opts.skip_special_tokens, opts.spaces_between_special_tokens, state.detok
+        )
+        checker = StopChecker(list(opts.stops), opts.include_stop_str_in_output, state.stop)
+        skip_last = self._is_stop_token(ids, finish_reason, stop_reason)
+        kept, matched = len(ids), None
+        for i, token_id in enumerate(ids):
+            piece = "" if skip_last and i == len(ids) - 1 else detok.feed(token_id)
+            counted = state.completion_tokens + i + 1
+            match = checker.add(piece, check=counted > opts.min_tokens)
+            if match is not None:
+                kept, matched = i + 1, match.stop
+                break
+        if matched is not None:
+            finish_reason, stop_reason, state.stopped = "stop", matched, True
+        text = checker.release(final=finish_reason is not None)
+        out = ChoiceOutput(
+            text=text,
+            token_ids=ids[:kept],
+            logprobs=None if logprobs is None else logprobs[:kept],
+            finish_reason=finish_reason,
+            stop_reason=self._public_reason(stop_reason),
+            stop_string=matched,
+            text_offset=state.text_offset,
+            context=list(state.context),
+        )
+        state.completion_tokens += kept
+        state.context = [*state.context, *ids[:kept]][-4:]
+        state.text_offset += len(text)
+        return out

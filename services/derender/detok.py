@@ -1,0 +1,73 @@
+"""Incremental detokenization whose state fits in a small, serializable window (sans-IO).
+
+The algorithm is the one monolithic vLLM runs for fast tokenizers (`tokenizers`'
+`DecodeStream`): decode the window of IDs since the last emission, emit what extends the
+previous decode, and hold everything back while the text ends in U+FFFD (an incomplete UTF-8
+sequence). Keeping the state as token IDs (not token strings) lets a stateless server check it:
+a forged window is just IDs, validated against the vocabulary like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.tokenizer import ModelTokenizer
+
+PROMPT_SEED = 6  # prompt IDs kept as context; enough for any UTF-8 sequence and a space marker
+MAX_WINDOW = 64  # a window this long means garbage bytes: emit rather than grow without bound
+
+
+@dataclass
+class DetokState:
+    """`ids[:prefix]` is the text already emitted; `ids[prefix:]` is held back."""
+
+    ids: list[int] = field(default_factory=list)
+    prefix: int = 0
+    last_special: bool = False
+
+
+def seed(prompt_ids: list[int] | None) -> DetokState:
+    tail = list((prompt_ids or [])[-PROMPT_SEED:])
+    return DetokState(ids=tail, prefix=len(tail))
+
+
+@dataclass
+class Detokenizer:
+    """`feed(token_id) -> str`: the text this token adds (often "" while bytes are pending)."""
+
+    tok: ModelTokenizer
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    state: DetokState
+
+    def feed(self, token_id: int) -> str:
+        text = self._step(token_id)
+        if self.skip_special_tokens or self.spaces_between_special_tokens:
+            return text
+        # vLLM's quirk for spaces_between_special_tokens=False: a special token right after
+        # another is emitted as its own content.
+        special = self.tok.added_tokens.get(token_id)
+        if special is not None and self.state.last_special:
+            text = special
+        self.state.last_special = special is not None
+        return text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _step(self, token_id: int) -> str:
+        state = self.state
+        ids = [*state.ids, token_id]
+        prefix_text = self._decode(ids[: state.prefix])
+        text = self._decode(ids)
+        pending = len(text) <= len(prefix_text) or text.endswith("\ufffd")
+        if pending and len(ids) - state.prefix < MAX_WINDOW:
+            state.ids = ids
+            return ""
+        if not text.startswith(prefix_text):
+            # DecodeStream's "invalid prefix": vLLM restarts the stream from this token alone.
+            state.ids, state.prefix = [], 0
+            return self._step(token_id)
+        new_window = ids[state.prefix :]
+        state.ids, state.prefix = new_window, len(new_window)
+        return text[len(prefix_text) :]

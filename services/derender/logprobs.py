@@ -1,0 +1,123 @@
+"""Integer-keyed generate logprobs as OpenAI logprobs: token text, bytes, U+FFFD repair (sans-IO).
+
+A byte-fallback token that decodes alone to U+FFFD is decoded again with up to 4 preceding
+*sampled* IDs as context (vLLM's `_correct_decoded_token`): the first half of a split character
+reports "" and the token that completes it reports the whole character. The context crosses
+chunk boundaries through `logprob_context_token_ids` in the stream state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.tokenizer import ModelTokenizer
+from shared.wire import (
+    ChatLogprob,
+    CompletionLogprobs,
+    GenerateLogProb,
+    GenerateLogProbsContent,
+    TopLogprob,
+)
+
+CONTEXT = 4
+REPLACEMENT = "\ufffd"
+
+
+def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> str:
+    for n in range(1, min(len(context), CONTEXT) + 1):
+        window = list(context[-n:])
+        full = tok.decode([*window, token_id], skip_special_tokens=False)
+        if full.endswith(REPLACEMENT):
+            continue
+        clean_end = len(window)
+        while clean_end > 0 and tok.decode_one(window[clean_end - 1]).endswith(REPLACEMENT):
+            clean_end -= 1
+        prefix = tok.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix) :]
+        common = 0
+        for a, b in zip(prefix, full, strict=False):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
+
+
+@dataclass(frozen=True)
+class Decoded:
+    token: str
+    bytes: list[int] | None
+
+
+def decode_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> Decoded:
+    if token_id >= tok.tokenizer_size:  # padding rows of the embedding: no text at all
+        return Decoded("", None)
+    text = tok.decode_one(token_id)
+    if text.endswith(REPLACEMENT):
+        text = correct_decoded_token(tok, token_id, context)
+    return Decoded(text, list(text.encode("utf-8", errors="replace")))
+
+
+def completion_candidates(entry: GenerateLogProbsContent, k: int | None) -> list[GenerateLogProb]:
+    """The engine's candidates for a completions request asking `logprobs=k`: the sampled token
+    first, then ranks 1..k. Filtering by rank recovers them from a generate answer that was asked
+    for more (k + 1, so vLLM 0.32's cut keeps them all)."""
+    if k is None or k == -1:
+        return list(entry.top_logprobs)
+    tops = entry.top_logprobs
+    return [
+        t
+        for i, t in enumerate(tops)
+        if (i == 0 and t.token_id == entry.token_id) or (t.rank is not None and t.rank <= k)
+    ]
+
+
+class LogprobResolver:
+    """Resolves one choice's logprob entries, carrying the sampled-ID context."""
+
+    def __init__(self, tok: ModelTokenizer, context: Sequence[int]) -> None:
+        self.tok = tok
+        self.context = list(context)[-CONTEXT:]
+
+    def _advance(self, token_id: int) -> None:
+        self.context = [*self.context, token_id][-CONTEXT:]
+
+    def chat(
+        self, entries: Sequence[GenerateLogProbsContent], top: int | None
+    ) -> list[ChatLogprob]:
+        """`top`: how many candidates to show (None: all; 0: none), the first ones in order."""
+        out = []
+        for e in entries:
+            tops = e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]
+            sampled = decode_token(self.tok, e.token_id, self.context)
+            alts = [self._top(t) for t in tops]
+            out.append(
+                ChatLogprob(
+                    token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
+                )
+            )
+            self._advance(e.token_id)
+        return out
+
+    def _top(self, t: GenerateLogProb) -> TopLogprob:
+        d = decode_token(self.tok, t.token_id, self.context)
+        return TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes)
+
+    def completion(
+        self, entries: Sequence[GenerateLogProbsContent], k: int | None, offset: int
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for e in entries:
+            sampled = decode_token(self.tok, e.token_id, self.context)
+            cands = completion_candidates(e, k)
+            out.text_offset.append(offset)
+            out.tokens.append(sampled.token)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append(
+                {self._top(t).token: t.logprob for t in cands} if e.top_logprobs else None
+            )
+            offset += len(sampled.token)
+            self._advance(e.token_id)
+        return out

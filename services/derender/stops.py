@@ -1,0 +1,85 @@
+"""Stop strings, checked as monolithic vLLM's engine checks them (sans-IO).
+
+After each token the text it added is searched for the stop strings (only once more than
+`min_tokens` tokens exist); the earliest-ending match wins, ties by list order. While streaming,
+the last `len(longest stop) - 1` characters are held back, since they could still become a stop
+string that must not be shown. A match tells which token completed it: tokens after that one
+are not part of the output (and not counted in usage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Match:
+    stop: str
+    cut: int  # length of the output text to keep, counted from the start of `text`
+
+
+def find_stop(text: str, new_chars: int, stops: list[str], include: bool) -> Match | None:
+    """vLLM's `check_stop_strings` over `text`, whose last `new_chars` characters are new."""
+    if not new_chars or not stops:
+        return None
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        start = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if start != -1 and (best is None or start + len(stop) < best[0]):
+            best = (start + len(stop), start, stop)
+    if best is None:
+        return None
+    end, start, stop = best
+    return Match(stop, end if include else start)
+
+
+@dataclass
+class StopState:
+    """What must survive between chunks: the text tail a match could still start in, and how
+    much of it has not been sent yet."""
+
+    tail: str = ""
+    unsent: int = 0
+
+
+@dataclass
+class StopChecker:
+    stops: list[str]
+    include_in_output: bool
+    state: StopState
+
+    @property
+    def context(self) -> int:
+        return max(map(len, self.stops), default=1) - 1
+
+    @property
+    def holdback(self) -> int:
+        return 0 if self.include_in_output else self.context
+
+    def add(self, piece: str, check: bool = True) -> Match | None:
+        """Append one token's text; a match when this token completed a stop string (only
+        looked for when `check`: vLLM ignores stop strings within the first `min_tokens`).
+
+        On a match the unsent text is already cut to what the client may see.
+        """
+        text = self.state.tail + piece
+        found = find_stop(text, len(piece), self.stops, self.include_in_output) if check else None
+        sent_end = len(self.state.tail) - self.state.unsent
+        if found is not None:
+            text = text[: max(found.cut, sent_end)]
+        self.state.unsent += len(text) - len(self.state.tail)
+        keep = max(self.context, self.state.unsent)
+        self.state.tail = text[-keep:] if keep else ""
+        return found
+
+    def release(self, final: bool) -> str:
+        """The text that can be sent now: all of it at the end, else all but the hold-back."""
+        hold = 0 if final else min(self.holdback, self.state.unsent)
+        n = self.state.unsent - hold
+        if n <= 0:
+            return ""
+        tail = self.state.tail
+        start = len(tail) - self.state.unsent
+        out = tail[start : start + n]
+        self.state.unsent = hold
+        return out
