@@ -115,7 +115,7 @@ class ChoiceOutput:
     finish_reason: str | None
     stop_reason: StopReason
     stop_string: str | None = None  # set when a stop string ended the output in this chunk
-    text_offset: int = 0  # where this chunk's text starts in the whole output
+    text_offset: int = 0  # completions logprobs: offset of this chunk's first token
     context: list[int] = field(default_factory=list)  # sampled IDs before this chunk (logprobs)
 
 
@@ -183,5 +183,4 @@ class ChoiceDecoder:
         )
         state.completion_tokens += kept
         state.context = [*state.context, *ids[:kept]][-4:]
-        state.text_offset += len(text)
         return out

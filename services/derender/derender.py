@@ -427,12 +427,16 @@ def derender_completion_stream(
     choices: list[CompletionChoice] = []
     if c is not None:
         out = _decode(tok, ChoiceOptions.of(request), state, c)
+        logprobs = _completion_logprobs(tok, out, request)
+        if logprobs is not None and logprobs.tokens:
+            # monolithic vLLM continues offsets by token lengths, not by the text sent
+            state.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         if not state.stopped or out.stop_string is not None:
             choices.append(
                 CompletionChoice(
                     index=c.index,
                     text=out.text,
-                    logprobs=_completion_logprobs(tok, out, request),
+                    logprobs=logprobs,
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason,
                     prompt_token_ids=chunk.prompt_token_ids if _returns_ids(request) else None,
