@@ -10,8 +10,16 @@ from tests.servers import Server
 
 
 def _derender(name: str, model: Path, served: str) -> Iterator[Server]:
-    server = servers.tokenline(name, "derender", "--model", str(model), "--served-model-name",
-                               served, "--max-model-len", "2048")
+    server = servers.tokenline(
+        name,
+        "derender",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served,
+        "--max-model-len",
+        "2048",
+    )
     server.start().wait(60)
     yield server
     server.stop()

@@ -103,19 +103,24 @@ def streamed(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
         state = msgspec.to_builtins(STATE.decode(JSON.encode(out.stream_state)))
         for c in out.chunk.choices:
             text += c.delta.content or ""
-            logprobs += [msgspec.to_builtins(e) for e in (c.logprobs.content or [])] if c.logprobs else []
+            logprobs += (
+                [msgspec.to_builtins(e) for e in (c.logprobs.content or [])] if c.logprobs else []
+            )
             finish, stop = c.finish_reason or finish, c.stop_reason if c.finish_reason else stop
         tokens = out.stream_state.completion_tokens
     return {"text": text, "finish": finish, "stop": stop, "tokens": tokens, "logprobs": logprobs}
 
 
 @pytest.mark.parametrize("which", ["tiny", "qwen3"])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
-def test_any_chunking_equals_whole_decode(which: str, data: st.DataObject,
-                                          tiny_tok: ModelTokenizer,
-                                          qwen3_tok: ModelTokenizer) -> None:
+def test_any_chunking_equals_whole_decode(
+    which: str, data: st.DataObject, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
+) -> None:
     tok = tiny_tok if which == "tiny" else qwen3_tok
     g = data.draw(generation(tok))
     one, many = whole(g, tok), streamed(g, tok)
@@ -123,8 +128,9 @@ def test_any_chunking_equals_whole_decode(which: str, data: st.DataObject,
     assert many["text"].count("\ufffd") == one["text"].count("\ufffd")
 
 
-@settings(max_examples=200, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_whole_decode_matches_decode_stream(data: st.DataObject, tiny_tok: ModelTokenizer) -> None:
     """The text equals vLLM's own fast detokenizer (DecodeStream seeded with the prompt)."""
@@ -135,8 +141,11 @@ def test_whole_decode_matches_decode_stream(data: st.DataObject, tiny_tok: Model
         return  # vLLM emits the whole prompt text here (a quirk we do not reproduce)
     g["request"] |= {"stop": [], "spaces_between_special_tokens": True}
     g["finish"] = "length"
-    stream = DecodeStream(ids=prompt, skip_special_tokens=skip) if prompt else DecodeStream(
-        skip_special_tokens=skip)
+    stream = (
+        DecodeStream(ids=prompt, skip_special_tokens=skip)
+        if prompt
+        else DecodeStream(skip_special_tokens=skip)
+    )
     expected = "".join(stream.step(tok.rust, t) or "" for t in g["ids"])
     assert whole(g, tok)["text"] == expected
 
@@ -156,10 +165,15 @@ def test_completion_offsets_are_absolute_across_chunks(tiny_tok: ModelTokenizer)
         chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [ids[i]],
                  "logprobs": {"content": [entries[i]]},
                  "finish_reason": "length" if i == len(ids) - 1 else None}]}  # fmt: skip
-        body = {"stream": True, "generate_chunk": chunk, "stream_state": state,
-                "completion_request": req}
-        out = derender_completion_stream(DERENDER_COMPLETION.decode(JSON.encode(body)), tok,
-                                         SETTINGS)
+        body = {
+            "stream": True,
+            "generate_chunk": chunk,
+            "stream_state": state,
+            "completion_request": req,
+        }
+        out = derender_completion_stream(
+            DERENDER_COMPLETION.decode(JSON.encode(body)), tok, SETTINGS
+        )
         state = msgspec.to_builtins(out.stream_state)
         lp = out.chunk.choices[0].logprobs
         assert lp is not None

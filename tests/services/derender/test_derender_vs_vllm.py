@@ -117,8 +117,13 @@ def _whole(resp: dict[str, Any], kind: str) -> dict[str, Any]:
     c = resp["choices"][0]
     lp = c.get("logprobs")
     logprobs = (lp["content"] if kind == "chat" else _flat_completion(lp)) if lp else []
-    return {"text": _text(resp, kind), "logprobs": logprobs, "finish": c["finish_reason"],
-            "stop": c["stop_reason"], "completion_tokens": resp["usage"]["completion_tokens"]}
+    return {
+        "text": _text(resp, kind),
+        "logprobs": logprobs,
+        "finish": c["finish_reason"],
+        "stop": c["stop_reason"],
+        "completion_tokens": resp["usage"]["completion_tokens"],
+    }
 
 
 def _ours_stream(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
@@ -128,8 +133,14 @@ def _ours_stream(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
     state, chunks, matched = None, [], None
     key = "chat_request" if kind == "chat" else "completion_request"
     for payload in sse_payloads(raw):
-        body = {"stream": True, "generate_chunk": json.loads(payload), "stream_state": state,
-                "prompt_token_ids": gen["token_ids"], key: request, "model": request["model"]}
+        body = {
+            "stream": True,
+            "generate_chunk": json.loads(payload),
+            "stream_state": state,
+            "prompt_token_ids": gen["token_ids"],
+            key: request,
+            "model": request["model"],
+        }
         status, out = post(derender.url + _path(kind) + "/derender", body)
         assert status == 200, out
         state = out["stream_state"]
@@ -138,8 +149,9 @@ def _ours_stream(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
             raise AssertionError("derender kept emitting after a stop string matched")
         chunks.append(out["chunk"])
         if matched:  # the proxy aborts here; usage is counted up to the matching token
-            chunks.append({"choices": [], "usage": {
-                "completion_tokens": matched["completion_tokens"]}})
+            chunks.append(
+                {"choices": [], "usage": {"completion_tokens": matched["completion_tokens"]}}
+            )
             break
     return _assemble_stream(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n"
                                      for c in chunks), kind)  # fmt: skip
@@ -149,20 +161,36 @@ def _ours_whole(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
                 request: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     _, resp = post(gen_url, {**gen, "stream": False, "stream_options": None})
     if kind == "chat":
-        body = {"generate_response": resp, "prompt_token_ids": gen["token_ids"],
-                "chat_request": request, "model": request["model"]}
+        body = {
+            "generate_response": resp,
+            "prompt_token_ids": gen["token_ids"],
+            "chat_request": request,
+            "model": request["model"],
+        }
     else:
-        body = {"generate_responses": [resp], "prompt_token_ids": [gen["token_ids"]],
-                "completion_request": request, "model": request["model"]}
+        body = {
+            "generate_responses": [resp],
+            "prompt_token_ids": [gen["token_ids"]],
+            "completion_request": request,
+            "model": request["model"],
+        }
     status, out = post(derender.url + _path(kind) + "/derender", body)
     assert status == 200, out
     return _whole(out, kind)
 
 
 def _cases(kind: str) -> list[tuple[int, int, dict[str, Any]]]:
-    cases = CHAT_CASES if kind == "chat" else [
-        {**{k: v for k, v in c.items() if k != "top_logprobs"},
-         **({"logprobs": c["top_logprobs"]} if c.get("logprobs") else {})} for c in CHAT_CASES]
+    cases = (
+        CHAT_CASES
+        if kind == "chat"
+        else [
+            {
+                **{k: v for k, v in c.items() if k != "top_logprobs"},
+                **({"logprobs": c["top_logprobs"]} if c.get("logprobs") else {}),
+            }
+            for c in CHAT_CASES
+        ]
+    )
     return [(i, t, case) for i, case in enumerate(cases) for t in (0, 2, 5)][::2]
 
 
@@ -191,12 +219,22 @@ def test_matches_monolithic_vllm(fleet: Fleet, derender_tiny: Server, derender_q
         if stream:
             request |= {"stream": True, "stream_options": {"include_usage": True}}
             expected = _assemble_stream(post_raw(oracle.url + _path(kind), request), kind)
-            ours = _ours_stream(derender, gen_url, kind, _generate_body(fleet_for(fleet, oracle),
-                                                                        kind, request), request)
+            ours = _ours_stream(
+                derender,
+                gen_url,
+                kind,
+                _generate_body(fleet_for(fleet, oracle), kind, request),
+                request,
+            )
         else:
             expected = _whole(post(oracle.url + _path(kind), request)[1], kind)
-            ours = _ours_whole(derender, gen_url, kind, _generate_body(fleet_for(fleet, oracle),
-                                                                       kind, request), request)
+            ours = _ours_whole(
+                derender,
+                gen_url,
+                kind,
+                _generate_body(fleet_for(fleet, oracle), kind, request),
+                request,
+            )
         assert ours == expected, (i, t, request, _first_difference(ours, expected))
         checked += 1
     assert checked >= 8

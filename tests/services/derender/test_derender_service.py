@@ -1,0 +1,154 @@
+"""The derender service: parity with vLLM's own derender endpoint where vLLM 0.32 supports the
+case, the batched form, and bad input (always a 400 in the envelope, never a 500)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.conftest import Fleet
+from tests.corpus import TEXTS
+from tests.http import get, post, post_raw, sse_payloads
+from tests.servers import Server
+
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": TEXTS[2]}],
+    "max_tokens": 24,
+    "temperature": 1.0,
+    "seed": 3,
+    "logprobs": True,
+    "top_logprobs": 2,
+}
+
+
+def _generated(fleet: Fleet, stream: bool) -> tuple[dict[str, Any], Any]:
+    _, gen = post(fleet.oracle.url + "/v1/chat/completions/render", CHAT)
+    gen |= {"stream": stream}
+    url = fleet.generate.url + "/inference/v1/generate"
+    if stream:
+        return gen, [json.loads(p) for p in sse_payloads(post_raw(url, gen))]
+    return gen, post(url, gen)[1]
+
+
+def test_whole_response_matches_vllm_derender(fleet: Fleet, derender_tiny: Server) -> None:
+    gen, resp = _generated(fleet, stream=False)
+    body = {
+        "model": "tiny",
+        "generate_response": resp,
+        "prompt_token_ids": gen["token_ids"],
+        "prompt_tokens": len(gen["token_ids"]),
+        "chat_request": CHAT,
+    }
+    s1, theirs = post(fleet.oracle.url + "/v1/chat/completions/derender", body)
+    s2, ours = post(derender_tiny.url + "/v1/chat/completions/derender", body)
+    assert s1 == s2 == 200
+    a, b = theirs["choices"][0], ours["choices"][0]
+    assert b["message"]["content"] == a["message"]["content"]
+    assert b["logprobs"] == a["logprobs"]
+    assert (b["finish_reason"], b["stop_reason"]) == (a["finish_reason"], a["stop_reason"])
+    assert ours["usage"] == {k: theirs["usage"][k] for k in ours["usage"]}
+
+
+def test_stream_matches_vllm_derender(fleet: Fleet, derender_tiny: Server) -> None:
+    gen, chunks = _generated(fleet, stream=True)
+    results = {}
+    for name, url in (("vllm", fleet.oracle.url), ("ours", derender_tiny.url)):
+        state, text, logprobs = None, "", []
+        for chunk in chunks:
+            body = {
+                "stream": True,
+                "model": "tiny",
+                "generate_chunk": chunk,
+                "stream_state": state,
+                "prompt_token_ids": gen["token_ids"],
+                "chat_request": {**CHAT, "stream": True},
+            }
+            status, out = post(url + "/v1/chat/completions/derender", body)
+            assert status == 200, out
+            state = out["stream_state"]
+            for c in out["chunk"]["choices"]:
+                text += c["delta"].get("content") or ""
+                logprobs += (c.get("logprobs") or {}).get("content") or []
+        results[name] = (text, logprobs)
+    assert results["ours"] == results["vllm"]
+    assert results["ours"][0]
+
+
+def test_batched_form_equals_single_calls(fleet: Fleet, derender_tiny: Server) -> None:
+    gen, chunks = _generated(fleet, stream=True)
+    first = [
+        {
+            "stream": True,
+            "model": "tiny",
+            "generate_chunk": c,
+            "stream_state": None,
+            "prompt_token_ids": gen["token_ids"],
+            "chat_request": CHAT,
+        }
+        for c in chunks[:3]
+    ]
+    status, batch = post(
+        derender_tiny.url + "/v1/chat/completions/derender/batch", {"requests": first}
+    )
+    assert status == 200 and len(batch) == 3
+    for body, out in zip(first, batch, strict=True):
+        _, single = post(derender_tiny.url + "/v1/chat/completions/derender", body)
+        assert out["stream_state"] == single["stream_state"]
+        assert out["chunk"]["choices"] == single["chunk"]["choices"]
+
+
+def _choice(ids: list[int], **extra: Any) -> dict[str, Any]:
+    return {
+        "request_id": "r",
+        "choices": [{"index": 0, "token_ids": ids, "finish_reason": "length", **extra}],
+    }
+
+
+BAD: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/chat/completions/derender", {"generate_response": _choice([1, -3])}, "token_ids"),
+    ("/v1/chat/completions/derender", {"generate_response": _choice([1, 999999])}, "vocabulary"),
+    ("/v1/chat/completions/derender", {"generate_response": _choice([])}, "empty"),
+    ("/v1/chat/completions/derender", {"generate_response": _choice([1] * 3000)},
+     "max_model_len"),
+    ("/v1/chat/completions/derender", {"model": "other", "generate_response": _choice([1])},
+     "does not exist"),
+    ("/v1/chat/completions/derender", {"stream": True}, "generate_chunk"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
+                                       "stream_state": {"detok_ids": [1], "detok_prefix": 5}},
+     "stream_state"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
+                                       "stream_state": {"logprob_context_token_ids": [1] * 5}},
+     "logprob_context_token_ids"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
+                                       "stream_state": {"detok_ids": [10**7]}}, "vocabulary"),
+    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
+                                       "stream_state": "garbage"}, "stream_state"),
+    ("/v1/completions/derender", {"generate_responses": []}, "empty"),
+    ("/v1/completions/derender", {"generate_responses": [_choice([1])], "prompt_tokens": [1, 2]},
+     "prompt_tokens"),
+    ("/v1/completions/derender", {"generate_responses": [_choice([1], logprobs={"content": [
+        {"token_id": 1, "logprob": 0.0, "top_logprobs": [{"token_id": 1, "logprob": 0.0}] * 40}
+    ]})]}, "top_logprobs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "needle"), BAD)
+def test_bad_input_is_a_clear_400(
+    derender_tiny: Server, path: str, body: dict[str, Any], needle: str
+) -> None:
+    status, out = post(derender_tiny.url + path, body)
+    assert status in (400, 404), out
+    assert out["error"]["code"] == status
+    assert needle in out["error"]["message"] + str(out["error"]["param"])
+
+
+def test_malformed_json_and_health(derender_tiny: Server) -> None:
+    status, out = post(derender_tiny.url + "/v1/chat/completions/derender", b"{]")
+    assert status == 400 and out["error"]["type"] == "BadRequestError"
+    assert get(derender_tiny.url + "/health")[0] == 200
+    status, raw = get(derender_tiny.url + "/metrics")
+    assert status == 200 and b"tokenline_derender_chunks_total" in raw
+    assert b'status="500"' not in raw
