@@ -34,7 +34,6 @@ def _derender(args: argparse.Namespace, extra: list[str]) -> int:
 def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
     from proxy.app import make_app
     from proxy.config import from_args
-
     from shared.http import run
 
     config = from_args(args)
@@ -56,6 +55,7 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from proxy.config import add_arguments as proxy_args
     from services.derender.config import add_arguments as derender_args
     from services.generate.launcher import add_arguments as generate_args
     from services.render.config import add_arguments as render_args
@@ -66,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     for name, add, fn, help_ in (
         ("render", render_args, _render, "chat templates + tokenization service"),
         ("derender", derender_args, _derender, "token IDs -> OpenAI responses service"),
+        ("proxy", proxy_args, _proxy, "the OpenAI front door"),
         (
             "generate",
             generate_args,

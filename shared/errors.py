@@ -7,6 +7,7 @@
     ├── NotFound                 404 NotFoundError            (unknown model)
     ├── PayloadTooLarge          413 BadRequestError
     ├── Overloaded               429 TooManyRequests
+    ├── UpstreamRejected         4xx as the hop said           (a hop refused the request)
     ├── UpstreamError            502 BadGateway               (a hop answered with an error)
     │   └── UpstreamUnavailable  503 ServiceUnavailableError  (no healthy replica / unreachable)
     └── UpstreamTimeout          504 GatewayTimeout
@@ -65,6 +66,17 @@ class PayloadTooLarge(ServiceError):
 
 class Overloaded(ServiceError):
     status, kind = 429, "TooManyRequests"
+
+
+class UpstreamRejected(ServiceError):
+    """A hop refused the request with a 4xx: the client gets that status and envelope."""
+
+    def __init__(self, status: int, envelope: ErrorEnvelope) -> None:
+        super().__init__(envelope.error.message, param=envelope.error.param)
+        self.status, self.kind = status, envelope.error.type
+
+    def __reduce__(self) -> tuple[type[ServiceError], tuple[str], dict[str, object]]:
+        return (ServiceError, (self.message,), self.__dict__)
 
 
 class UpstreamError(ServiceError):

@@ -8,6 +8,7 @@ algorithm monolithic vLLM runs (`tokenizers`' DecodeStream).
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import msgspec
@@ -87,7 +88,7 @@ def streamed(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
     entries = logprob_entries(ids, tok.tokenizer_size)
     state: Any = None
     text, logprobs, finish, stop, tokens = "", [], None, None, 0
-    for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+    for k, (a, b) in enumerate(pairwise(bounds)):
         if a >= b:
             continue
         last = b == len(ids)

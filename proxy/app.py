@@ -1,0 +1,128 @@
+"""The proxy: `make_app(config)` wires the client session, the pools and their upkeep, auth,
+admission control, metrics and routes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from proxy.config import ProxyConfig
+from proxy.handlers import HOPS, chat_completions, completions
+from proxy.metrics import ProxyMetrics
+from proxy.pipeline import Hops
+from proxy.pool import Pool, Pools, maintained
+from proxy.upstream import Retry
+from shared.errors import Overloaded, Unauthorized
+from shared.http import Handler, error_response, json_response, make_base_app
+
+CONFIG = web.AppKey("proxy_config", ProxyConfig)
+METRICS = web.AppKey("proxy_metrics", ProxyMetrics)
+LIMIT = web.AppKey("proxy_limit", asyncio.Semaphore)
+OPEN_PATHS = frozenset({"/health"})
+
+
+def pools_of(config: ProxyConfig) -> Pools:
+    return Pools(
+        render=Pool("render", config.render_urls),
+        derender=Pool("derender", config.derender_urls),
+        prefill=Pool("prefill", config.prefill_urls),
+        decode=Pool("decode", config.decode_urls),
+    )
+
+
+async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
+    config, metrics = app[CONFIG], app[METRICS]
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout, sock_connect=3)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        pools = pools_of(config)
+        for pool in pools.all():
+            await pool.resolve()
+            metrics.track_pool(pool.role, pool.in_flight)
+        hops = Hops(session, pools, Retry(config.retry_attempts, config.retry_timeout), metrics)
+        app[HOPS] = hops
+        async with maintained(pools, session, config.health_interval, config.resolve_interval):
+            yield
+        for task in list(hops.background):  # pending aborts get a moment to go out
+            await asyncio.wait([task], timeout=1)
+
+
+def auth_middleware(api_key: str | None) -> object:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path not in OPEN_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(
+                    Unauthorized("Unauthorized: a valid Bearer API key is required")
+                )
+        return await handler(request)
+
+    return check
+
+
+def admission_middleware() -> object:
+    @web.middleware
+    async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/") or request.method != "POST":
+            return await handler(request)
+        limit = request.app[LIMIT]
+        if limit.locked():
+            raise Overloaded("too many requests in flight; retry later")
+        async with limit:
+            response = await handler(request)
+        if rid := request.headers.get("X-Request-Id"):
+            response.headers["X-Request-Id"] = rid
+        return response
+
+    return admit
+
+
+async def health(request: web.Request) -> web.Response:
+    pools = request.app[HOPS].pools
+    report = {
+        p.role: {
+            "configured": p.configured,
+            "healthy": len(p.healthy()),
+            "replicas": len(p.workers),
+            "in_flight": p.in_flight(),
+        }
+        for p in pools.all()
+    }
+    ready = all(p.healthy() for p in (pools.render, pools.derender, pools.decode))
+    ready = ready and (not pools.prefill.configured or bool(pools.prefill.healthy()))
+    return json_response(
+        {"status": "ok" if ready else "degraded", "pools": report}, status=200 if ready else 503
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    hops = request.app[HOPS]
+    worker = hops.pools.render.choose()
+    async with hops.session.get(worker.url + "/v1/models") as resp:
+        return web.Response(
+            body=await resp.read(), status=resp.status, content_type="application/json"
+        )
+
+
+def make_app(config: ProxyConfig) -> web.Application:
+    metrics = ProxyMetrics()
+    app = make_base_app(
+        [metrics.middleware(), auth_middleware(config.api_key), admission_middleware()],
+        max_body=config.max_body_bytes,
+    )
+    app[CONFIG], app[METRICS] = config, metrics
+    app[LIMIT] = asyncio.Semaphore(config.max_in_flight)
+    app.cleanup_ctx.append(hops_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics.handle)
+    return app

@@ -1,0 +1,52 @@
+"""The proxy's metrics, behind one class (handlers call it; the pipeline core never imports
+prometheus_client directly)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import Gauge
+
+from shared.metrics import LATENCY_BUCKETS, ServiceMetrics
+
+TOKEN_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+
+
+class ProxyMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__("proxy")
+        self.ttft = self.histogram(
+            "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS
+        )
+        self.itl = self.histogram(
+            "inter_token_latency_seconds",
+            "Time between streamed chunks per token",
+            buckets=TOKEN_BUCKETS,
+        )
+        self.hop_latency = self.histogram(
+            "hop_seconds", "Latency of each hop call", labels=("hop",)
+        )
+        self.in_flight = Gauge(
+            f"{self.prefix}_in_flight_requests",
+            "Requests in flight per pool",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.aborts = self.counter("aborts", "Engine requests aborted", labels=("reason",))
+
+    def track_pool(self, role: str, in_flight: Callable[[], int]) -> None:
+        self.in_flight.labels(role).set_function(in_flight)
