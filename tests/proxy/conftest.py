@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import servers
+from tests.conftest import Fleet
+from tests.http import get
+from tests.servers import Server
+
+SERVED = ("--served-model-name", "tiny", "--max-model-len", "2048")
+
+
+@dataclass
+class Pipeline:
+    proxy: Server
+    render: Server
+    derenders: list[Server]
+
+    def all(self) -> list[Server]:
+        return [self.proxy, self.render, *self.derenders]
+
+
+def start_pipeline(name: str, model: Path, decode_urls: list[str], derenders: int = 1,
+                   extra: tuple[str, ...] = ()) -> Pipeline:
+    render = servers.tokenline(f"{name}-render", "render", "--model", str(model), *SERVED,
+                               "--workers", "1")
+    ders = [servers.tokenline(f"{name}-derender-{i}", "derender", "--model", str(model), *SERVED)
+            for i in range(derenders)]
+    for s in (render, *ders):
+        s.start()
+    for s in (render, *ders):
+        s.wait(60)
+    proxy = servers.tokenline(f"{name}-proxy", "proxy", "--render", render.url,
+                              "--derender", *(d.url for d in ders), "--decode", *decode_urls,
+                              "--health-interval", "0.5", *extra)
+    proxy.start().wait(30)
+    return Pipeline(proxy, render, ders)
+
+
+@pytest.fixture(scope="session")
+def pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
+    p = start_pipeline("pipeline", tiny_model, [fleet.generate.url])
+    yield p
+    for s in p.all():
+        s.stop()
+
+
+def engine_metric(server: Server, name: str, label: str = "") -> float:
+    _, raw = get(server.url + "/metrics")
+    total = 0.0
+    for line in raw.decode().splitlines():
+        if line.startswith(name) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(predicate: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
+
+
+IN_FLIGHT = re.compile(r'tokenline_proxy_in_flight_requests\{pool="(\w+)"\} ([0-9.]+)')
+
+
+def proxy_in_flight(proxy: Server) -> dict[str, float]:
+    _, raw = get(proxy.url + "/metrics")
+    return {m.group(1): float(m.group(2)) for m in IN_FLIGHT.finditer(raw.decode())}
