@@ -120,3 +120,13 @@ def completion_requests(model: str) -> list[dict[str, Any]]:
     for j, variant in enumerate(SAMPLING_VARIANTS):
         out.append({"prompt": TEXTS[(j + 3) % len(TEXTS)], **variant})
     return out
+
+
+def stop_from(text: str, at: float = 0.5) -> str | None:
+    """Two characters the text really contains, near `at` of its length, for a stop string
+    (the random model's output is arbitrary, so tests pick stops from what it says)."""
+    for start in [int(len(text) * at), *range(1, len(text))]:
+        piece = text[start : start + 2]
+        if len(piece) == 2 and piece.strip() and "\ufffd" not in piece:
+            return piece
+    return None

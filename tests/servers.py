@@ -61,6 +61,7 @@ class Server:
     port: int
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    ready: tuple[int, ...] = (200,)  # /health statuses that mean "up" (503: up, degraded)
 
     @property
     def url(self) -> str:
@@ -97,7 +98,9 @@ class Server:
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                return bool(resp.status == 200)
+                return bool(resp.status in self.ready)
+        except urllib.error.HTTPError as exc:
+            return exc.code in self.ready
         except (urllib.error.URLError, OSError):
             return False
 

@@ -26,19 +26,40 @@ class Pipeline:
         return [self.proxy, self.render, *self.derenders]
 
 
-def start_pipeline(name: str, model: Path, decode_urls: list[str], derenders: int = 1,
-                   extra: tuple[str, ...] = ()) -> Pipeline:
-    render = servers.tokenline(f"{name}-render", "render", "--model", str(model), *SERVED,
-                               "--workers", "1")
-    ders = [servers.tokenline(f"{name}-derender-{i}", "derender", "--model", str(model), *SERVED)
-            for i in range(derenders)]
+def start_pipeline(
+    name: str,
+    model: Path,
+    decode_urls: list[str],
+    derenders: int = 1,
+    extra: tuple[str, ...] = (),
+    degraded_ok: bool = False,
+) -> Pipeline:
+    render = servers.tokenline(
+        f"{name}-render", "render", "--model", str(model), *SERVED, "--workers", "1"
+    )
+    ders = [
+        servers.tokenline(f"{name}-derender-{i}", "derender", "--model", str(model), *SERVED)
+        for i in range(derenders)
+    ]
     for s in (render, *ders):
         s.start()
     for s in (render, *ders):
         s.wait(60)
-    proxy = servers.tokenline(f"{name}-proxy", "proxy", "--render", render.url,
-                              "--derender", *(d.url for d in ders), "--decode", *decode_urls,
-                              "--health-interval", "0.5", *extra)
+    proxy = servers.tokenline(
+        f"{name}-proxy",
+        "proxy",
+        "--render",
+        render.url,
+        "--derender",
+        *(d.url for d in ders),
+        "--decode",
+        *decode_urls,
+        "--health-interval",
+        "0.5",
+        *extra,
+    )
+    if degraded_ok:
+        proxy.ready = (200, 503)
     proxy.start().wait(30)
     return Pipeline(proxy, render, ders)
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.conftest import Fleet
-from tests.corpus import TEXTS
+from tests.corpus import TEXTS, stop_from
 from tests.proxy.conftest import Pipeline
 
 
@@ -17,29 +17,52 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _stop_from(text: str) -> str | None:
-    core = text.replace("\ufffd", "")
-    piece = core[len(core) // 2 : len(core) // 2 + 2]
-    return piece if len(piece) == 2 and piece.strip() else None
-
-
 def chat_cases() -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = []
     for i, text in enumerate(TEXTS):
         msgs = [{"role": "user", "content": text}]
         cases.append({"messages": msgs, "max_tokens": 12 + i, "temperature": 0})
-        cases.append({"messages": msgs, "max_tokens": 10, "temperature": 0, "logprobs": True,
-                      "top_logprobs": i % 6})
-        cases.append({"messages": [{"role": "system", "content": "Be terse."}, *msgs],
-                      "max_completion_tokens": 16, "temperature": 0, "stop": "@STOP@"})
+        cases.append(
+            {
+                "messages": msgs,
+                "max_tokens": 10,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": i % 6,
+            }
+        )
+        cases.append(
+            {
+                "messages": [{"role": "system", "content": "Be terse."}, *msgs],
+                "max_completion_tokens": 16,
+                "temperature": 0,
+                "stop": "@STOP@",
+            }
+        )
     cases += [
-        {"messages": [{"role": "user", "content": TEXTS[2]}], "max_tokens": 20,
-         "temperature": 1.0, "seed": 4, "n": 2},
-        {"messages": [{"role": "user", "content": TEXTS[3]}], "max_tokens": 20, "temperature": 0,
-         "stop": "@STOP@", "include_stop_str_in_output": True, "logprobs": True,
-         "top_logprobs": 2},
-        {"messages": [{"role": "user", "content": TEXTS[4]}], "max_tokens": 8, "temperature": 0,
-         "ignore_eos": True, "skip_special_tokens": False},
+        {
+            "messages": [{"role": "user", "content": TEXTS[2]}],
+            "max_tokens": 20,
+            "temperature": 1.0,
+            "seed": 4,
+            "n": 2,
+        },
+        {
+            "messages": [{"role": "user", "content": TEXTS[3]}],
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": "@STOP@",
+            "include_stop_str_in_output": True,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        {
+            "messages": [{"role": "user", "content": TEXTS[4]}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        },
     ]
     return cases
 
@@ -47,8 +70,14 @@ def chat_cases() -> list[dict[str, Any]]:
 def completion_cases() -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = []
     for i, text in enumerate(TEXTS):
-        cases.append({"prompt": text, "max_tokens": 10, "temperature": 0,
-                      "logprobs": i % 4 if i % 2 else None})
+        cases.append(
+            {
+                "prompt": text,
+                "max_tokens": 10,
+                "temperature": 0,
+                "logprobs": i % 4 if i % 2 else None,
+            }
+        )
     cases += [
         {"prompt": [TEXTS[0], TEXTS[5]], "max_tokens": 6, "temperature": 0},
         {"prompt": TEXTS[1], "max_tokens": 20, "temperature": 0, "stop": "@STOP@"},
@@ -57,10 +86,24 @@ def completion_cases() -> list[dict[str, Any]]:
 
 
 def _extra(kind: str, case: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    std = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "seed", "n",
-           "logprobs", "top_logprobs", "stop", "stream", "stream_options"}
-    return ({k: v for k, v in case.items() if k in std},
-            {k: v for k, v in case.items() if k not in std})
+    std = {
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "seed",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "stop",
+        "stream",
+        "stream_options",
+    }
+    return (
+        {k: v for k, v in case.items() if k in std},
+        {k: v for k, v in case.items() if k not in std},
+    )
 
 
 def _call(client: openai.OpenAI, kind: str, case: dict[str, Any]) -> Any:
@@ -75,8 +118,14 @@ def _whole(resp: Any, kind: str) -> dict[str, Any]:
     for c in sorted(out["choices"], key=lambda c: c["index"]):
         text = c["message"]["content"] if kind == "chat" else c["text"]
         lp = c.get("logprobs")
-        choices.append({"text": text, "finish": c["finish_reason"], "stop": c.get("stop_reason"),
-                        "logprobs": _logprobs(lp, kind)})
+        choices.append(
+            {
+                "text": text,
+                "finish": c["finish_reason"],
+                "stop": c.get("stop_reason"),
+                "logprobs": _logprobs(lp, kind),
+            }
+        )
     usage = out["usage"]
     return {"choices": choices, "usage": (usage["prompt_tokens"], usage["completion_tokens"])}
 
@@ -85,9 +134,15 @@ def _logprobs(lp: Any, kind: str) -> Any:
     if not lp:
         return None
     if kind == "chat":
-        return [(e["token"], e["logprob"], e["bytes"],
-                 [(t["token"], t["logprob"], t["bytes"]) for t in e["top_logprobs"]])
-                for e in lp["content"]]
+        return [
+            (
+                e["token"],
+                e["logprob"],
+                e["bytes"],
+                [(t["token"], t["logprob"], t["bytes"]) for t in e["top_logprobs"]],
+            )
+            for e in lp["content"]
+        ]
     return list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
 
 
@@ -98,16 +153,19 @@ def _streamed(stream: Any, kind: str) -> dict[str, Any]:
         data = chunk.model_dump()
         usage = data.get("usage") or usage
         for c in data["choices"]:
-            slot = choices.setdefault(c["index"], {"text": "", "finish": None, "stop": None,
-                                                   "logprobs": []})
+            slot = choices.setdefault(
+                c["index"], {"text": "", "finish": None, "stop": None, "logprobs": []}
+            )
             slot["text"] += (c["delta"].get("content") or "") if kind == "chat" else c["text"]
             slot["logprobs"] += _logprobs(c.get("logprobs"), kind) or []
             if c.get("finish_reason"):
                 slot["finish"], slot["stop"] = c["finish_reason"], c.get("stop_reason")
     for slot in choices.values():
         slot["logprobs"] = slot["logprobs"] or None
-    return {"choices": [choices[i] for i in sorted(choices)],
-            "usage": (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None}
+    return {
+        "choices": [choices[i] for i in sorted(choices)],
+        "usage": (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None,
+    }
 
 
 def _prepare(oracle: openai.OpenAI, kind: str, case: dict[str, Any]) -> dict[str, Any] | None:
@@ -115,14 +173,15 @@ def _prepare(oracle: openai.OpenAI, kind: str, case: dict[str, Any]) -> dict[str
         return case
     plain = {k: v for k, v in case.items() if k not in ("stop", "include_stop_str_in_output")}
     resp = _call(oracle, kind, plain).model_dump()["choices"][0]
-    stop = _stop_from(resp["message"]["content"] if kind == "chat" else resp["text"])
+    stop = stop_from(resp["message"]["content"] if kind == "chat" else resp["text"])
     return None if stop is None else {**case, "stop": stop}
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_answers_equal_monolithic_vllm(fleet: Fleet, pipeline: Pipeline, kind: str,
-                                       stream: bool) -> None:
+def test_answers_equal_monolithic_vllm(
+    fleet: Fleet, pipeline: Pipeline, kind: str, stream: bool
+) -> None:
     oracle, ours = _client(fleet.oracle.url), _client(pipeline.proxy.url)
     cases = chat_cases() if kind == "chat" else completion_cases()
     compared = 0

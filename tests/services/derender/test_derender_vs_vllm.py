@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Fleet
-from tests.corpus import TEXTS
+from tests.corpus import TEXTS, stop_from
 from tests.http import post, post_raw, sse_payloads
 from tests.servers import Server
 
@@ -36,16 +36,6 @@ CHAT_CASES: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def _stop_from(text: str) -> str | None:
-    """A stop string the output really contains (the random model's text is arbitrary)."""
-    core = text.replace("\ufffd", "")
-    for start in (len(core) // 3, len(core) // 2, 1):
-        piece = core[start : start + 2]
-        if len(piece) == 2 and piece.strip():
-            return piece
-    return None
-
-
 def _fill(case: dict[str, Any], oracle: Server, kind: str, base: dict[str, Any],
           eos: int) -> dict[str, Any] | None:  # fmt: skip
     body = {**base, **case}
@@ -55,7 +45,7 @@ def _fill(case: dict[str, Any], oracle: Server, kind: str, base: dict[str, Any],
         body["stop_token_ids"] = [body_first_token(oracle, kind, base)]
     if body.get("stop") == "@STOP@" or body.get("stop", [None])[0] == "@STOP@":
         plain = {k: v for k, v in body.items() if k not in ("stop", "include_stop_str_in_output")}
-        stop = _stop_from(_text(post(oracle.url + _path(kind), plain)[1], kind))
+        stop = stop_from(_text(post(oracle.url + _path(kind), plain)[1], kind))
         if stop is None:
             return None
         body["stop"] = [stop, *body["stop"][1:]] if isinstance(body["stop"], list) else stop

@@ -1,0 +1,188 @@
+"""Faults and guards, with real vLLM: disconnects abort the engine, a derender replica can die
+mid-stream, a dead decode replica is a clear error, bad IDs never reach the engine."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import servers
+from tests.conftest import Fleet
+from tests.corpus import stop_from
+from tests.http import get, post, post_raw
+from tests.proxy.conftest import (
+    Pipeline,
+    engine_metric,
+    proxy_in_flight,
+    start_pipeline,
+    wait_for,
+)
+
+LONG = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Tell me everything."}],
+    "max_tokens": 1500,
+    "temperature": 0,
+    "stream": True,
+    "ignore_eos": True,
+}
+
+
+def _open_stream(
+    url: str, body: dict[str, object], headers: dict[str, str] | None = None
+) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra}"
+        "\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def _read_until(sock: socket.socket, needle: bytes, limit: int = 1 << 20) -> bytes:
+    data = b""
+    while needle not in data and len(data) < limit:
+        part = sock.recv(65536)
+        if not part:
+            break
+        data += part
+    return data
+
+
+ABORT_CALLS = ("http_requests_total", 'handler="/inference/v1/abort_requests"')
+
+
+def test_client_disconnect_aborts_engine_request(fleet: Fleet, pipeline: Pipeline) -> None:
+    aborts = engine_metric(fleet.generate, *ABORT_CALLS)
+    finished = engine_metric(fleet.generate, "vllm:request_success_total")
+    sock = _open_stream(pipeline.proxy.url, LONG)
+    head = _read_until(sock, b'"content"')
+    assert b"200 OK" in head
+    assert wait_for(lambda: engine_metric(fleet.generate, "vllm:num_requests_running") == 1)
+    sock.close()
+    closed = time.monotonic()
+    assert wait_for(lambda: engine_metric(fleet.generate, "vllm:num_requests_running") == 0, 5)
+    stopped_after = time.monotonic() - closed
+    assert wait_for(lambda: engine_metric(fleet.generate, *ABORT_CALLS) == aborts + 1)
+    # aborted, not finished: vLLM counts no successful request for it
+    assert engine_metric(fleet.generate, "vllm:request_success_total") == finished
+    assert wait_for(lambda: all(v == 0 for v in proxy_in_flight(pipeline.proxy).values()))
+    assert stopped_after < 2.0  # generous: the abort itself is sent at once (see note)
+
+
+def test_stop_string_aborts_engine_and_counts_usage(fleet: Fleet, pipeline: Pipeline) -> None:
+    body = {**LONG, "stream": False, "max_tokens": 40}
+    _, plain = post(fleet.oracle.url + "/v1/chat/completions", body)
+    stop = stop_from(plain["choices"][0]["message"]["content"], 0.3)
+    assert stop is not None
+    aborts = engine_metric(fleet.generate, *ABORT_CALLS)
+    stream = {**LONG, "stop": [stop], "stream_options": {"include_usage": True}}
+    _, expected = post(
+        fleet.oracle.url + "/v1/chat/completions", {**LONG, "stop": [stop], "stream": False}
+    )
+    raw = post_raw(pipeline.proxy.url + "/v1/chat/completions", stream).decode()
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == expected["usage"]["completion_tokens"] < 1500
+    finals = [c for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert [(c["finish_reason"], c["stop_reason"]) for c in finals] == [("stop", stop)]
+    assert wait_for(lambda: engine_metric(fleet.generate, *ABORT_CALLS) == aborts + 1)
+    assert wait_for(lambda: engine_metric(fleet.generate, "vllm:num_requests_running") == 0)
+
+
+@pytest.fixture
+def two_derenders(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
+    p = start_pipeline("fault-derender", tiny_model, [fleet.generate.url], derenders=2)
+    yield p
+    for s in p.all():
+        s.stop()
+
+
+def test_derender_replica_killed_mid_stream(fleet: Fleet, two_derenders: Pipeline) -> None:
+    body = {**LONG, "max_tokens": 300}
+    _, expected = post(fleet.oracle.url + "/v1/chat/completions", {**body, "stream": False})
+    sock = _open_stream(two_derenders.proxy.url, body)
+    data = _read_until(sock, b'"content"')
+    two_derenders.derenders[0].stop(signal.SIGKILL)
+    data += _read_until(sock, b"data: [DONE]")
+    sock.close()
+    text = ""
+    for event in data.split(b"\n\n"):
+        start = event.find(b"data: {")
+        if start != -1:
+            chunk = json.loads(event[start + 6 :])
+            assert "error" not in chunk, chunk
+            text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    assert b"data: [DONE]" in data
+    assert text == expected["choices"][0]["message"]["content"]
+
+
+def test_dead_decode_replica_is_a_clear_error(fleet: Fleet, tiny_model: Path) -> None:
+    dead = f"http://127.0.0.1:{servers.free_port()}"
+    p = start_pipeline("fault-decode", tiny_model, [dead], degraded_ok=True)
+    try:
+        for stream in (False, True):
+            status, out = post(
+                p.proxy.url + "/v1/chat/completions", {**LONG, "stream": stream, "max_tokens": 5}
+            )
+            assert status in (502, 503), out
+            assert "decode" in out["error"]["message"] and out["error"]["code"] == status
+        status, raw = get(p.proxy.url + "/health")
+        assert status == 503 and json.loads(raw)["pools"]["decode"]["healthy"] == 0
+    finally:
+        for s in p.all():
+            s.stop()
+
+
+@pytest.mark.parametrize("prompt", [[999_999], [1, 2, 4096], [-1]])
+def test_out_of_vocabulary_ids_never_reach_the_engine(
+    fleet: Fleet, pipeline: Pipeline, prompt: list[int]
+) -> None:
+    before = engine_metric(fleet.generate, "vllm:request_success_total")
+    status, out = post(
+        pipeline.proxy.url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3}
+    )
+    assert status == 400 and out["error"]["type"] == "BadRequestError"
+    assert fleet.generate.healthy()
+    status, ok = post(
+        pipeline.proxy.url + "/v1/completions",
+        {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3},
+    )
+    assert status == 200 and ok["usage"]["completion_tokens"] == 3
+    assert engine_metric(fleet.generate, "vllm:request_success_total") == before + 1
+
+
+def test_prompt_or_max_tokens_that_do_not_fit(pipeline: Pipeline) -> None:
+    for body in ({"prompt": [5] * 2048, "max_tokens": 3}, {"prompt": "x", "max_tokens": 5000}):
+        status, out = post(pipeline.proxy.url + "/v1/completions", {"model": "tiny", **body})
+        assert status == 400 and out["error"]["code"] == 400
+
+
+def test_api_key_body_limit_and_request_id(fleet: Fleet, tiny_model: Path) -> None:
+    p = start_pipeline("auth", tiny_model, [fleet.generate.url], extra=("--api-key", "s3cret"))
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        assert post(p.proxy.url + "/v1/completions", body)[0] == 401
+        assert get(p.proxy.url + "/v1/models")[0] == 401
+        assert get(p.proxy.url + "/health")[0] == 200
+        auth = {"Authorization": "Bearer s3cret", "X-Request-Id": "trace-42"}
+        status, out = post(p.proxy.url + "/v1/completions", body, headers=auth)
+        assert status == 200 and out["id"] == "cmpl-trace-42"
+        status, out = post(
+            p.proxy.url + "/v1/completions", b"{" + b" " * (40 << 20) + b"}", headers=auth
+        )
+        assert status == 413, out
+    finally:
+        for s in p.all():
+            s.stop()
