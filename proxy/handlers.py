@@ -27,9 +27,10 @@ from proxy.pipeline import (
     engine_id,
     engine_request,
     queued_chunks,
+    retry_id,
 )
 from proxy.upstream import stream_generate
-from shared.errors import ServiceError
+from shared.errors import ServiceError, UpstreamRejected
 from shared.http import read_json_body
 from shared.wire import (
     CHAT_COMPLETION,
@@ -113,8 +114,21 @@ async def _generate_one(
     request: web.Request, hops: Hops, kind: Kind, gen: GenerateRequest
 ) -> GenerateResponse:
     headers = generate_headers(request, gen)
-    kv = await hops.prefill(gen, headers)
-    return await hops.generate_whole(engine_request(gen, kind, False, kv), headers)
+    pre = await hops.prefill(gen, headers)
+    try:
+        return await hops.generate_whole(engine_request(gen, kind, False, pre.kv), headers)
+    except UpstreamRejected:
+        raise
+    except ServiceError:
+        if pre.worker is None:
+            raise
+    # The decode leg failed behind a prefill (e.g. that replica died before the KV was
+    # pulled): once more, from a fresh prefill elsewhere or decode-only.
+    hops.metrics.retries.inc()
+    gen = retry_id(gen)
+    headers = generate_headers(request, gen)
+    pre = await hops.prefill(gen, headers, exclude=[pre.worker])
+    return await hops.generate_whole(engine_request(gen, kind, False, pre.kv), headers)
 
 
 async def _whole(
@@ -200,18 +214,35 @@ class Streamer:
             await response.write(data)
 
     async def _prompt(self, p: int, gen: GenerateRequest) -> None:
-        hops = self.hops
         headers = generate_headers(self.request, gen)
-        kv = await hops.prefill(gen, headers)
+        pre = await self.hops.prefill(gen, headers)
+        try:
+            await self._decode(p, gen, pre.kv)
+            return
+        except UpstreamRejected:
+            raise
+        except ServiceError:
+            if pre.worker is None or self._emitted(p):
+                raise
+        # Nothing reached the client yet: retry once behind a fresh prefill (see _generate_one).
+        self.hops.metrics.retries.inc()
+        gen = retry_id(gen)
+        pre = await self.hops.prefill(
+            gen, generate_headers(self.request, gen), exclude=[pre.worker]
+        )
+        await self._decode(p, gen, pre.kv)
+
+    def _emitted(self, p: int) -> bool:
+        return any(q == p and s.state is not None for (q, _), s in self.progress.items())
+
+    async def _decode(self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None) -> None:
+        hops = self.hops
         pool = hops.pools.decode
         worker = pool.choose()
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        body = JSON.encode(engine_request(gen, self.kind, True, kv))
         source = stream_generate(
-            hops.session,
-            pool,
-            worker,
-            JSON.encode(engine_request(gen, self.kind, True, kv)),
-            headers,
+            hops.session, pool, worker, body, generate_headers(self.request, gen)
         )
         reader = asyncio.create_task(queued_chunks(source, queue))
         ended = False
@@ -220,10 +251,10 @@ class Streamer:
                 for chunk in merged:
                     await self._relay(p, gen, chunk)
                 if self._prompt_done(p):
-                    ended = True
                     break
             ended = True
-            await reader  # surfaces a generate failure
+            if not self._prompt_done(p):
+                await reader  # surfaces a generate failure
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, ServiceError):

@@ -47,6 +47,12 @@ class ProxyMetrics(ServiceMetrics):
             registry=self.registry,
         )
         self.aborts = self.counter("aborts", "Engine requests aborted", labels=("reason",))
+        self.prefill_fallbacks = self.counter(
+            "prefill_fallbacks", "Requests sent decode-only because no prefill replica answered"
+        )
+        self.retries = self.counter(
+            "request_retries", "Whole requests retried after a decode leg failed behind a prefill"
+        )
 
     def track_pool(self, role: str, in_flight: Callable[[], int]) -> None:
         self.in_flight.labels(role).set_function(in_flight)

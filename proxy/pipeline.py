@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,7 +22,7 @@ import msgspec
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Pool, Pools, Worker
 from proxy.upstream import Retry, call_pure, post_generate
-from shared.errors import UpstreamError, UpstreamUnavailable
+from shared.errors import ServiceError, UpstreamError, UpstreamRejected, UpstreamUnavailable
 from shared.wire import (
     GENERATE_CHUNK,
     GENERATE_REQUEST,
@@ -103,13 +103,37 @@ class Hops:
     # ------------------------------------------------------------------ generate
 
     async def prefill(
-        self, gen: GenerateRequest, headers: Mapping[str, str]
-    ) -> dict[str, Any] | None:
-        """The P/D prefill leg: compute the prompt's KV on a prefill instance, return the
-        `kv_transfer_params` the decode instance needs to pull it."""
+        self, gen: GenerateRequest, headers: Mapping[str, str], exclude: Sequence[Worker] = ()
+    ) -> Prefilled:
+        """The P/D prefill leg: compute the prompt's KV on a prefill instance and return the
+        `kv_transfer_params` the decode instance needs to pull it.
+
+        A failing prefill replica is marked down and the next one tried; with none left the
+        request goes decode-only (the decode instance computes the prompt itself), which the
+        client never notices. A 4xx is the request's fault and goes back to the client.
+        """
         pool = self.pools.prefill
-        if not pool.configured:
-            return None
+        tried = list(exclude)
+        while pool.configured and [w for w in pool.healthy() if w not in tried]:
+            worker = pool.choose(exclude=tried)
+            tried.append(worker)
+            try:
+                return Prefilled(worker, await self._prefill_on(worker, gen, headers))
+            except UpstreamRejected:
+                raise
+            except ServiceError as exc:
+                pool.mark_down(worker, exc.message)
+        if pool.configured:
+            self.metrics.prefill_fallbacks.inc()
+            log.warning(
+                "prefill.fallback request_id=%s: no prefill replica left, decode-only",
+                gen.request_id,
+            )
+        return Prefilled(None, None)
+
+    async def _prefill_on(
+        self, worker: Worker, gen: GenerateRequest, headers: Mapping[str, str]
+    ) -> dict[str, Any]:
         params = msgspec.structs.replace(
             gen.sampling_params,
             max_tokens=1,
@@ -126,9 +150,9 @@ class Hops:
             stream_options=None,
             kv_transfer_params=dict(PREFILL_PARAMS),
         )
-        worker = pool.choose()
         data = await self._timed(
-            "prefill", post_generate(self.session, pool, worker, JSON.encode(leg), headers)
+            "prefill",
+            post_generate(self.session, self.pools.prefill, worker, JSON.encode(leg), headers),
         )
         resp = GENERATE_RESPONSE.decode(data)
         if resp.kv_transfer_params is None:
@@ -252,6 +276,19 @@ def _chunk(payload: bytes) -> GenerateStreamChunk:
     if payload.startswith(b'{"error"'):
         raise UpstreamError(f"decode failed mid-stream: {payload[:500].decode(errors='replace')}")
     return GENERATE_CHUNK.decode(payload)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Which prefill replica holds the prompt's KV, and how to pull it (None: decode-only)."""
+
+    worker: Worker | None
+    kv: dict[str, Any] | None
+
+
+def retry_id(gen: GenerateRequest) -> GenerateRequest:
+    """The same request under a fresh engine id, for the one whole-request retry."""
+    return msgspec.structs.replace(gen, request_id=f"{gen.request_id}-retry")
 
 
 @dataclass

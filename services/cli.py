@@ -54,11 +54,18 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace, extra: list[str]) -> int:
+    from services.up import run_up
+
+    return run_up(args)
+
+
 def parser() -> argparse.ArgumentParser:
     from proxy.config import add_arguments as proxy_args
     from services.derender.config import add_arguments as derender_args
     from services.generate.launcher import add_arguments as generate_args
     from services.render.config import add_arguments as render_args
+    from services.up import add_arguments as up_args
     from shared.models.build import MODELS
 
     top = argparse.ArgumentParser(prog="tokenline", description=__doc__)
@@ -67,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
         ("render", render_args, _render, "chat templates + tokenization service"),
         ("derender", derender_args, _derender, "token IDs -> OpenAI responses service"),
         ("proxy", proxy_args, _proxy, "the OpenAI front door"),
+        ("up", up_args, _up, "the whole pipeline as local processes"),
         (
             "generate",
             generate_args,
@@ -89,3 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     if extra and args.command != "generate":
         parser().error(f"unrecognized arguments: {' '.join(extra)}")
     sys.exit(args.fn(args, extra))
+
+
+if __name__ == "__main__":
+    main()

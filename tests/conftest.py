@@ -51,9 +51,19 @@ class Fleet:
     oracle_qwen3: Server
     render: Server  # vllm launch render on tiny
     render_qwen3: Server
+    prefill: Server  # tokens-only P/D pair on tiny, NixlConnector, pinned to cores 0 and 1
+    decode: Server
 
     def all(self) -> list[Server]:
-        return [self.generate, self.oracle, self.oracle_qwen3, self.render, self.render_qwen3]
+        return [
+            self.generate,
+            self.oracle,
+            self.oracle_qwen3,
+            self.render,
+            self.render_qwen3,
+            self.prefill,
+            self.decode,
+        ]
 
 
 REUSE = servers.REPO / "build" / "fleet.json"
@@ -65,6 +75,8 @@ def _reused() -> Fleet | None:
     if os.environ.get("TOKENLINE_REUSE_FLEET") != "1" or not REUSE.exists():
         return None
     found = {k: Server(k, [], port) for k, port in json.loads(REUSE.read_text()).items()}
+    if set(found) != set(Fleet.__dataclass_fields__):
+        return None
     return Fleet(**found) if all(s.healthy() for s in found.values()) else None
 
 
@@ -79,6 +91,8 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
         oracle_qwen3=servers.oracle("vllm-oracle-qwen3", qwen3_model, "tiny-qwen3"),
         render=servers.vllm_render("vllm-render-tiny", tiny_model, "tiny"),
         render_qwen3=servers.vllm_render("vllm-render-qwen3", qwen3_model, "tiny-qwen3"),
+        prefill=servers.generate_role("vllm-prefill-tiny", tiny_model, "prefill", "0"),
+        decode=servers.generate_role("vllm-decode-tiny", tiny_model, "decode", "1"),
     )
     try:
         for server in f.all():

@@ -175,3 +175,20 @@ def tokenline(name: str, *args: str) -> Server:
     port = free_port()
     argv = [str(VENV_BIN / "tokenline"), *args, "--port", str(port)]
     return Server(name, argv, port)
+
+
+def generate_role(name: str, model: Path, role: str, cores: str) -> Server:
+    """A tokens-only vLLM for a P/D role, launched with the settings `tokenline generate` uses."""
+    from services.generate.launcher import GenerateConfig, command, environment
+
+    port = free_port()
+    config = GenerateConfig(
+        model=str(model),
+        role=role,
+        port=port,
+        served_model_name="tiny",  # type: ignore[arg-type]
+        cpu_cores=cores,
+        nixl_port=free_port(),
+        vllm_bin=vllm_bin(),
+    )
+    return Server(name, command(config), port, environment(config, {}))

@@ -53,7 +53,7 @@ class Decoded:
 
 def decode_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> Decoded:
     if token_id >= tok.tokenizer_size:  # padding rows of the embedding: no text at all
-        return Decoded("", None)
+        return Decoded("", [])
     text = tok.decode_one(token_id)
     if text.endswith(REPLACEMENT):
         text = correct_decoded_token(tok, token_id, context)

@@ -115,6 +115,10 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
         env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
     if config.nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_port)
+    if config.role != "both":
+        # vLLM wants this set before NIXL loads; set here, it always is.
+        env.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+        env.setdefault("NIXL_PTHR_DELAY_US", "1000")
     return env
 
 

@@ -71,6 +71,9 @@ QWEN_SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 MODELS = ("tiny", "tiny-qwen3")
+# Strong enough attention that the context (and so a transferred KV cache) visibly moves the
+# next-token distribution: the P/D negative control depends on it.
+ATTN_STD = 0.15
 
 
 def chat_template() -> str:
@@ -275,13 +278,13 @@ def _qwen2_weights(cfg: dict[str, Any], seed: int, dtype: np.dtype[Any]) -> dict
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights |= {
-            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.q_proj.weight": rand(h, h, std=ATTN_STD),
             p + "self_attn.q_proj.bias": rand(h),
-            p + "self_attn.k_proj.weight": rand(kv_dim, h),
+            p + "self_attn.k_proj.weight": rand(kv_dim, h, std=ATTN_STD),
             p + "self_attn.k_proj.bias": rand(kv_dim),
-            p + "self_attn.v_proj.weight": rand(kv_dim, h),
+            p + "self_attn.v_proj.weight": rand(kv_dim, h, std=ATTN_STD),
             p + "self_attn.v_proj.bias": rand(kv_dim),
-            p + "self_attn.o_proj.weight": rand(h, h),
+            p + "self_attn.o_proj.weight": rand(h, h, std=ATTN_STD),
             p + "mlp.gate_proj.weight": rand(inter, h),
             p + "mlp.up_proj.weight": rand(inter, h),
             p + "mlp.down_proj.weight": rand(h, inter),

@@ -50,7 +50,7 @@ def test_models_route(render_server: Server) -> None:
 
 def test_health_answers_under_full_load(render_server: Server) -> None:
     """Rendering runs in worker processes, so the event loop keeps answering /health."""
-    long = " ".join(TEXTS) * 20
+    long = " ".join(TEXTS) * 3
     body = {"messages": [{"role": "user", "content": long}], "max_tokens": 1}
 
     def render_many(_: int) -> int:
