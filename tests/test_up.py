@@ -82,6 +82,8 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
         up.send_signal(signal.SIGINT)
         code = up.wait(90)
         reader.join(10)
+        if up.stdout is not None:
+            up.stdout.close()
         (LOGS / "tokenline-up.log").write_text("".join(lines))
     output = "".join(lines)
     pids = {int(p) for p in re.findall(r"started \S+ pid=(\d+)", output)}
