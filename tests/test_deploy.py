@@ -141,7 +141,7 @@ def test_tokenizer_image_has_no_engine() -> None:
 
 def test_the_checks_can_fail(compose: dict[str, Any], manifests: list[dict[str, Any]]) -> None:
     broken = json.loads(json.dumps(compose))
-    broken["services"]["render"]["healthcheck"]["retries"] = "three"
+    broken["services"]["render"]["replicas_typo"] = 3
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(COMPOSE_SCHEMA).validate(broken)
     deployment = json.loads(json.dumps(manifests[1]))
