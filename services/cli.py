@@ -7,6 +7,7 @@ none of render, derender or proxy imports torch or vLLM.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -22,12 +23,14 @@ def _render(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _derender(args: argparse.Namespace, extra: list[str]) -> int:
+    import functools
+
     from services.derender.app import make_app
     from services.derender.config import from_args
-    from shared.http import run
+    from shared.http import run_processes
 
     config = from_args(args)
-    run(make_app(config), config.host, config.port)
+    run_processes(functools.partial(make_app, config), config.host, config.port, config.workers)
     return 0
 
 
@@ -52,6 +55,17 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
 
     print(build(args.name, Path(args.dir)))
     return 0
+
+
+def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    # The benchmark lives with the tests (it starts the same real servers); it runs from a
+    # source checkout, whose root must be importable.
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "tests" / "bench" / "pipeline.py").exists():
+        raise SystemExit("tokenline bench runs from a source checkout (tests/bench/)")
+    sys.path.insert(0, str(root))
+    bench = importlib.import_module("tests.bench.pipeline")
+    return int(bench.main(extra))
 
 
 def _up(args: argparse.Namespace, extra: list[str]) -> int:
@@ -85,6 +99,10 @@ def parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_)
         add(cmd)
         cmd.set_defaults(fn=fn)
+    bench = sub.add_parser(
+        "bench", help="benchmark the pipeline against vLLM (see --help)", add_help=False
+    )
+    bench.set_defaults(fn=_bench)
     mk = sub.add_parser("make-model", help="build an offline test model")
     mk.add_argument("name", choices=MODELS)
     mk.add_argument("dir")
@@ -94,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = parser().parse_known_args(argv)
-    if extra and args.command != "generate":
+    if extra and args.command not in ("generate", "bench"):
         parser().error(f"unrecognized arguments: {' '.join(extra)}")
     sys.exit(args.fn(args, extra))
 

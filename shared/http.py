@@ -6,6 +6,8 @@ Nothing here knows about a particular hop.
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -77,8 +79,44 @@ def make_base_app(outer: list[Any] | None = None, max_body: int = MAX_BODY) -> w
     )
 
 
-def run(app: web.Application, host: str, port: int) -> None:
+def run(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
     """Serve `app`; handler_cancellation makes a client disconnect cancel its handler, which is
     how aborts propagate upstream (aiohttp's default is off)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        handler_cancellation=True,
+        print=None,
+        access_log=None,
+        reuse_port=reuse_port or None,
+    )
+
+
+def run_processes(make: Callable[[], web.Application], host: str, port: int, n: int) -> None:
+    """`n` server processes on one port (SO_REUSEPORT: the kernel spreads connections), so a
+    stateless service uses every core. Stopping the parent stops them all."""
+    if n == 1:
+        run(make(), host, port)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_serve_child, args=(make, host, port), daemon=True) for _ in range(n)
+    ]
+    for p in procs:
+        p.start()
+
+    def stop(signum: int, _frame: object) -> None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for p in procs:
+        p.join()
+
+
+def _serve_child(make: Callable[[], web.Application], host: str, port: int) -> None:
+    run(make(), host, port, reuse_port=True)
