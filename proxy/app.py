@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from proxy.channel import DerenderChannel
 from proxy.config import ProxyConfig
 from proxy.handlers import HOPS, chat_completions, completions
 from proxy.metrics import ProxyMetrics
@@ -43,10 +44,17 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
         for pool in pools.all():
             await pool.resolve()
             metrics.track_pool(pool.role, pool.in_flight)
-        hops = Hops(session, pools, Retry(config.retry_attempts, config.retry_timeout), metrics)
+        channel = DerenderChannel(session) if config.derender_transport == "zmq" else None
+        hops = Hops(
+            session, pools, Retry(config.retry_attempts, config.retry_timeout), metrics, channel
+        )
         app[HOPS] = hops
-        async with maintained(pools, session, config.health_interval, config.resolve_interval):
-            yield
+        try:
+            async with maintained(pools, session, config.health_interval, config.resolve_interval):
+                yield
+        finally:
+            if channel is not None:
+                await channel.close()
         for task in list(hops.background):  # pending aborts get a moment to go out
             await asyncio.wait([task], timeout=1)
 

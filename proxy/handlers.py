@@ -40,19 +40,26 @@ from shared.wire import (
     JSON,
     ChatCompletionRequest,
     CompletionRequest,
+    DerenderChatRequest,
     DerenderChatStreamResponse,
+    DerenderCompletionRequest,
     DerenderCompletionStreamResponse,
     GenerateRequest,
     GenerateResponse,
     GenerateStreamChunk,
     Usage,
 )
+from shared.zmq import MSGPACK
 
 log = logging.getLogger(__name__)
 HOPS = web.AppKey("hops", Hops)
 DERENDERED: dict[str, msgspec.json.Decoder[Any]] = {
     "chat": msgspec.json.Decoder(DerenderChatStreamResponse),
     "completion": msgspec.json.Decoder(DerenderCompletionStreamResponse),
+}
+DERENDERED_MSGPACK: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    "chat": msgspec.msgpack.Decoder(DerenderChatStreamResponse),
+    "completion": msgspec.msgpack.Decoder(DerenderCompletionStreamResponse),
 }
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -275,23 +282,44 @@ class Streamer:
         prog = self.progress.setdefault((p, choice.index), ChoiceProgress())
         if prog.finished:
             return
-        body = {
+        out = await self._derender(gen, chunk, prog)
+        prog.state = out.stream_state
+        prog.completion_tokens = out.stream_state.completion_tokens
+        if out.stop_match is not None or choice.finish_reason is not None:
+            prog.finished = True
+            prog.stopped_early = out.stop_match is not None and choice.finish_reason is None
+        await self._emit(p, out, prog)
+
+    async def _derender(
+        self, gen: GenerateRequest, chunk: GenerateStreamChunk, prog: ChoiceProgress
+    ) -> Any:
+        """One chunk through derender, over HTTP (vLLM's form) or the ZMQ channel."""
+        if self.hops.channel is None:
+            body = {
+                "stream": True,
+                "model": self.client.model,
+                "generate_chunk": chunk,
+                "stream_state": prog.state,
+                "prompt_token_ids": gen.token_ids,
+                "prompt_tokens": len(gen.token_ids),
+                self.kind.request_field: msgspec.Raw(self.raw),
+            }
+            data = await self.hops.derender(self.kind, JSON.encode(body), hop_headers(self.request))
+            return DERENDERED[self.kind.name].decode(data)
+        fields: dict[str, Any] = {
             "stream": True,
             "model": self.client.model,
             "generate_chunk": chunk,
             "stream_state": prog.state,
             "prompt_token_ids": gen.token_ids,
             "prompt_tokens": len(gen.token_ids),
-            self.kind.request_field: msgspec.Raw(self.raw),
+            self.kind.request_field: self.client,
         }
-        data = await self.hops.derender(self.kind, JSON.encode(body), hop_headers(self.request))
-        out = DERENDERED[self.kind.name].decode(data)
-        prog.state = msgspec.Raw(JSON.encode(out.stream_state))
-        prog.completion_tokens = out.stream_state.completion_tokens
-        if out.stop_match is not None or choice.finish_reason is not None:
-            prog.finished = True
-            prog.stopped_early = out.stop_match is not None and choice.finish_reason is None
-        await self._emit(p, out, prog)
+        request = (DerenderChatRequest if self.kind is CHAT else DerenderCompletionRequest)(
+            **fields
+        )
+        data = await self.hops.derender_channel(self.kind, MSGPACK.encode(request))
+        return DERENDERED_MSGPACK[self.kind.name].decode(data)
 
     async def _emit(self, p: int, out: Any, prog: ChoiceProgress) -> None:
         chunk = out.chunk

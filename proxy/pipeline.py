@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 
+from proxy.channel import DerenderChannel
 from proxy.metrics import ProxyMetrics
 from proxy.pool import Pool, Pools, Worker
 from proxy.upstream import Retry, call_pure, post_generate
@@ -29,6 +30,7 @@ from shared.wire import (
     GENERATE_REQUESTS,
     GENERATE_RESPONSE,
     JSON,
+    DerenderStreamState,
     GenerateLogProbs,
     GenerateRequest,
     GenerateResponse,
@@ -72,6 +74,7 @@ class Hops:
     pools: Pools
     retry: Retry
     metrics: ProxyMetrics
+    channel: DerenderChannel | None = None  # the ZMQ transport, when chosen
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
     # ------------------------------------------------------------------ render / derender
@@ -98,6 +101,12 @@ class Hops:
             call_pure(
                 self.session, self.pools.derender, kind.derender_path, body, headers, self.retry
             ),
+        )
+
+    async def derender_channel(self, kind: Kind, body: bytes) -> bytes:
+        assert self.channel is not None
+        return await self._timed(
+            "derender", self.channel.call(self.pools.derender, kind.name, body, self.retry)
         )
 
     # ------------------------------------------------------------------ generate
@@ -295,7 +304,7 @@ def retry_id(gen: GenerateRequest) -> GenerateRequest:
 class ChoiceProgress:
     """Per choice index: derender's state and whether the choice is over."""
 
-    state: msgspec.Raw | None = None
+    state: DerenderStreamState | None = None
     completion_tokens: int = 0
     finished: bool = False
     stopped_early: bool = False  # a stop string ended it before the engine did

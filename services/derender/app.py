@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import Counter
 
+from services.derender.channel import channel_ctx, endpoint
 from services.derender.config import DerenderConfig
 from services.derender.derender import (
     DerenderSettings,
@@ -103,6 +104,12 @@ async def _one(state: DerenderState, req: DerenderChatRequest | DerenderCompleti
     return await state.run(fn2, req, inline)
 
 
+async def _channel_handle(
+    app: web.Application, req: DerenderChatRequest | DerenderCompletionRequest
+) -> Any:
+    return await _one(app[STATE], req)
+
+
 async def chat(request: web.Request) -> web.Response:
     req = DERENDER_CHAT.decode(await read_json_body(request))
     return json_response(await _one(request.app[STATE], req))
@@ -146,6 +153,9 @@ def make_app(config: DerenderConfig) -> web.Application:
     app = make_base_app([metrics.middleware()])
     app[CONFIG], app[METRICS] = config, metrics
     app.cleanup_ctx.append(state_ctx)
+    if config.zmq_port is not None:
+        app.cleanup_ctx.append(channel_ctx(config.host, config.zmq_port, _channel_handle))
+        app.router.add_get("/v1/zmq", endpoint)
     app.router.add_post("/v1/chat/completions/derender", chat)
     app.router.add_post("/v1/completions/derender", completion)
     app.router.add_post("/v1/chat/completions/derender/batch", chat_batch)

@@ -15,6 +15,7 @@ class DerenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8300
     workers: int = 1
     threads: int = 2
+    zmq_port: int | None = None  # None: HTTP only; 0: a free port, advertised at /v1/zmq
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -33,6 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=2, help="threads per process for whole-response decoding"
     )
+    parser.add_argument(
+        "--zmq-port",
+        type=_zmq_port,
+        default=None,
+        help="also serve derender over ZMQ (msgpack) on this port (0: any)",
+    )
+
+
+def _zmq_port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError("a port number (0: any free port)")
+    return port
 
 
 def from_args(args: argparse.Namespace) -> DerenderConfig:
@@ -46,4 +60,5 @@ def from_args(args: argparse.Namespace) -> DerenderConfig:
         port=args.port,
         workers=args.workers,
         threads=args.threads,
+        zmq_port=args.zmq_port,
     )

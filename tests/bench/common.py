@@ -63,7 +63,8 @@ async def closed_loop(
         while time.perf_counter() < deadline:
             start = time.perf_counter()
             try:
-                units += await one(session, next(counter))
+                n = await one(session, next(counter))
+                units += n  # after the await: `units += await ...` would lose updates
                 latencies.append(time.perf_counter() - start)
             except (aiohttp.ClientError, AssertionError, TimeoutError):
                 errors += 1

@@ -33,12 +33,15 @@ def start_pipeline(
     derenders: int = 1,
     extra: tuple[str, ...] = (),
     degraded_ok: bool = False,
+    derender_args: tuple[str, ...] = (),
 ) -> Pipeline:
     render = servers.tokenline(
         f"{name}-render", "render", "--model", str(model), *SERVED, "--workers", "1"
     )
     ders = [
-        servers.tokenline(f"{name}-derender-{i}", "derender", "--model", str(model), *SERVED)
+        servers.tokenline(
+            f"{name}-derender-{i}", "derender", "--model", str(model), *SERVED, *derender_args
+        )
         for i in range(derenders)
     ]
     for s in (render, *ders):

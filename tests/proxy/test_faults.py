@@ -186,3 +186,42 @@ def test_api_key_body_limit_and_request_id(fleet: Fleet, tiny_model: Path) -> No
     finally:
         for s in p.all():
             s.stop()
+
+
+def _assembled(raw: bytes) -> dict[str, object]:
+    """A stream's content, whatever its chunking (which depends on timing)."""
+    text, logprobs, finish, usage = "", [], None, None
+    for event in raw.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        chunk = json.loads(event[6:])
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            text += c["delta"].get("content") or ""
+            logprobs += (c.get("logprobs") or {}).get("content") or []
+            finish = c.get("finish_reason") or finish
+    return {"text": text, "logprobs": logprobs, "finish": finish, "usage": usage}
+
+
+def test_zmq_derender_channel_gives_the_same_answers(
+    fleet: Fleet, pipeline: Pipeline, tiny_model: Path
+) -> None:
+    """The persistent ZMQ channel (msgpack frames) is an alternative hop, not another behavior."""
+    zmq_pipeline = start_pipeline(
+        "zmq",
+        tiny_model,
+        [fleet.generate.url],
+        extra=("--derender-transport", "zmq"),
+        derender_args=("--zmq-port", "0"),
+    )
+    try:
+        for body in (
+            {**LONG, "max_tokens": 20, "logprobs": True, "top_logprobs": 2},
+            {**LONG, "max_tokens": 20, "stop": ["zz"], "stream_options": {"include_usage": True}},
+        ):
+            expected = _assembled(post_raw(pipeline.proxy.url + "/v1/chat/completions", body))
+            got = _assembled(post_raw(zmq_pipeline.proxy.url + "/v1/chat/completions", body))
+            assert got == expected and expected["text"]
+    finally:
+        for s in zmq_pipeline.all():
+            s.stop()

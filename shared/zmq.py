@@ -1,0 +1,29 @@
+"""Framing for the persistent derender channel: msgpack, array-like, appended fields only.
+
+A call is `[id, kind, body]` where `body` is the msgpack of vLLM's derender request (chat or
+completion, `kind` says which); a reply is `[id, status, body]` with the msgpack of the response
+or of the error envelope. Ids let one DEALER socket carry many calls at once.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class Call(msgspec.Struct, array_like=True):
+    id: int
+    kind: Literal["chat", "completion"]
+    body: bytes
+
+
+class Reply(msgspec.Struct, array_like=True):
+    id: int
+    status: int
+    body: bytes
+
+
+MSGPACK = msgspec.msgpack.Encoder()
+CALL = msgspec.msgpack.Decoder(Call)
+REPLY = msgspec.msgpack.Decoder(Reply)

@@ -1,0 +1,133 @@
+"""The derender hop's cost per generated token: the vLLM-compatible HTTP hop against the
+persistent ZMQ channel (msgpack frames), same proxy code, same load, same run.
+
+A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
+proxy + derender process CPU seconds (from /proc) divided by the tokens delivered.
+
+    .venv/bin/python -m tests.bench.hop [--streams 64] [--tokens 256] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from shared.models.build import build
+from tests import servers
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: bool) -> int:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": tokens,
+        "stream": True,
+        **({"logprobs": True, "top_logprobs": 2} if logprobs else {}),
+    }
+    queue = list(range(streams))
+    delivered = 0
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal delivered
+        while queue:
+            queue.pop()
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        pass
+            delivered += tokens
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return delivered
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=1000, help="tokens/s per stream (double)")
+    args = parser.parse_args()
+    model = build("tiny", servers.REPO / "build" / "models" / "tiny")
+    common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
+    port = servers.free_port()
+    double = servers.Server(
+        "hop-double",
+        [
+            sys.executable,
+            "-m",
+            "tests.bench.double",
+            "--port",
+            str(port),
+            "--tokens-per-second",
+            str(args.rate),
+        ],
+        port,
+    )
+    render = servers.tokenline("hop-render", "render", *common)
+    derender = servers.tokenline("hop-derender", "derender", *common, "--zmq-port", "0")
+    started = [double, render, derender]
+    try:
+        for s in started:
+            s.start()
+        for s in started:
+            s.wait(60)
+        proxies = {}
+        for transport in ("http", "zmq"):
+            proxy = servers.tokenline(
+                f"hop-proxy-{transport}",
+                "proxy",
+                "--render",
+                render.url,
+                "--derender",
+                derender.url,
+                "--decode",
+                double.url,
+                "--derender-transport",
+                transport,
+            )
+            proxy.start().wait(30)
+            started.append(proxy)
+            proxies[transport] = proxy
+        print(
+            f"\nderender hop: {args.streams} streams x {args.tokens} tokens, concurrency "
+            f"{args.concurrency}, double at {args.rate:.0f} tokens/s per stream"
+        )
+        for logprobs in (False, True):
+            for transport, proxy in proxies.items():
+                asyncio.run(load(proxy.url, 4, 16, 2, logprobs))  # warm-up
+                pids = [proxy.proc.pid, derender.proc.pid]  # type: ignore[union-attr]
+                before = [cpu_seconds(p) for p in pids]
+                start = time.perf_counter()
+                tokens = asyncio.run(
+                    load(proxy.url, args.streams, args.tokens, args.concurrency, logprobs)
+                )
+                wall = time.perf_counter() - start
+                used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
+                print(
+                    f"  {transport:>4} logprobs={'on ' if logprobs else 'off'} "
+                    f"{tokens / wall:8.0f} tokens/s  CPU per token: proxy "
+                    f"{used[0] / tokens * 1e6:6.1f} us + derender {used[1] / tokens * 1e6:6.1f} us"
+                    f" = {sum(used) / tokens * 1e6:6.1f} us"
+                )
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()
