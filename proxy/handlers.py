@@ -294,18 +294,6 @@ class Streamer:
         self, gen: GenerateRequest, chunk: GenerateStreamChunk, prog: ChoiceProgress
     ) -> Any:
         """One chunk through derender, over HTTP (vLLM's form) or the ZMQ channel."""
-        if self.hops.channel is None:
-            body = {
-                "stream": True,
-                "model": self.client.model,
-                "generate_chunk": chunk,
-                "stream_state": prog.state,
-                "prompt_token_ids": gen.token_ids,
-                "prompt_tokens": len(gen.token_ids),
-                self.kind.request_field: msgspec.Raw(self.raw),
-            }
-            data = await self.hops.derender(self.kind, JSON.encode(body), hop_headers(self.request))
-            return DERENDERED[self.kind.name].decode(data)
         fields: dict[str, Any] = {
             "stream": True,
             "model": self.client.model,
@@ -313,12 +301,17 @@ class Streamer:
             "stream_state": prog.state,
             "prompt_token_ids": gen.token_ids,
             "prompt_tokens": len(gen.token_ids),
-            self.kind.request_field: self.client,
         }
-        request = (DerenderChatRequest if self.kind is CHAT else DerenderCompletionRequest)(
-            **fields
-        )
-        data = await self.hops.derender_channel(self.kind, MSGPACK.encode(request))
+        if self.hops.channel is None:
+            # the client's own bytes: no re-encoding of the original request per chunk
+            fields[self.kind.request_field] = msgspec.Raw(self.raw)
+            data = await self.hops.derender(
+                self.kind, JSON.encode(fields), hop_headers(self.request)
+            )
+            return DERENDERED[self.kind.name].decode(data)
+        fields[self.kind.request_field] = self.client
+        wire = DerenderChatRequest if self.kind is CHAT else DerenderCompletionRequest
+        data = await self.hops.derender_channel(self.kind, MSGPACK.encode(wire(**fields)))
         return DERENDERED_MSGPACK[self.kind.name].decode(data)
 
     async def _emit(self, p: int, out: Any, prog: ChoiceProgress) -> None:

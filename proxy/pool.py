@@ -53,7 +53,7 @@ async def expand(url: str) -> list[str]:
     """One URL per address its hostname resolves to (IP literals and failures: the URL)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
-    if not host or _is_ip(host) or host == "localhost":
+    if not host or _is_ip(host):
         return [url]
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(

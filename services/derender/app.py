@@ -23,6 +23,7 @@ from services.derender.derender import (
 )
 from shared.http import json_response, make_base_app, read_json_body
 from shared.metrics import ServiceMetrics
+from shared.served import health, models_response
 from shared.tokenizer import ModelTokenizer
 from shared.wire import (
     DERENDER_CHAT,
@@ -31,8 +32,6 @@ from shared.wire import (
     DERENDER_COMPLETION_BATCH,
     DerenderChatRequest,
     DerenderCompletionRequest,
-    ModelCard,
-    ModelList,
 )
 
 T = TypeVar("T")
@@ -135,17 +134,9 @@ async def completion_batch(request: web.Request) -> web.Response:
     return json_response([await _one(state, r) for r in batch.requests])
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
-
-
 async def models(request: web.Request) -> web.Response:
-    s = request.app[STATE].settings
-    return json_response(
-        ModelList(
-            data=[ModelCard(id=n, max_model_len=s.max_model_len) for n in s.served_model_names]
-        )
-    )
+    settings = request.app[STATE].settings
+    return models_response(settings.served_model_names, settings.max_model_len)
 
 
 def make_app(config: DerenderConfig) -> web.Application:

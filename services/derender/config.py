@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-import msgspec
+from shared.served import ModelService, add_model_arguments, model_fields
 
 
-class DerenderConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
-    served_model_names: tuple[str, ...] = ()
-    max_model_len: int | None = None
-    host: str = "127.0.0.1"
+class DerenderConfig(ModelService, frozen=True, kw_only=True):
     port: int = 8300
     workers: int = 1
     threads: int = 2
     zmq_port: int | None = None  # None: HTTP only; 0: a free port, advertised at /v1/zmq
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.served_model_names or (self.model,)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (HF layout)")
-    parser.add_argument("--served-model-name", nargs="+", default=[])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8300)
+    add_model_arguments(parser, port=8300)
     parser.add_argument(
         "--workers", type=int, default=1, help="server processes sharing the port (SO_REUSEPORT)"
     )
@@ -53,11 +41,7 @@ def from_args(args: argparse.Namespace) -> DerenderConfig:
     if args.workers < 1 or args.threads < 1:
         raise SystemExit("--workers and --threads must be at least 1")
     return DerenderConfig(
-        model=args.model,
-        served_model_names=tuple(args.served_model_name),
-        max_model_len=args.max_model_len,
-        host=args.host,
-        port=args.port,
+        **model_fields(args),
         workers=args.workers,
         threads=args.threads,
         zmq_port=args.zmq_port,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from services.derender.choice import ChoiceDecoder, ChoiceOptions, ChoiceOutput, ChoiceState
 from services.derender.logprobs import LogprobResolver
-from shared.errors import BadRequest, NotFound
+from shared.errors import BadRequest
+from shared.served import served_name
 from shared.tokenizer import ModelTokenizer
 from shared.wire import (
     AssistantMessage,
@@ -56,15 +57,7 @@ class DerenderSettings:
 
 
 def model_name(requested: str | None, settings: DerenderSettings) -> str:
-    if not requested:
-        return settings.served_model_names[0]
-    if requested not in settings.served_model_names:
-        raise NotFound(
-            f"The model `{requested}` does not exist. Valid aliases: "
-            f"{', '.join(settings.served_model_names)}.",
-            param="model",
-        )
-    return requested
+    return served_name(requested, settings.served_model_names)
 
 
 def _check_ids(ids: Iterable[int], tok: ModelTokenizer, where: str) -> None:

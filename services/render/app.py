@@ -14,10 +14,10 @@ from prometheus_client import Counter
 from services.render import worker
 from services.render.config import RenderConfig
 from services.render.render import RenderSettings
-from shared.http import json_response, make_base_app, read_json_body
+from shared.http import make_base_app, read_json_body
 from shared.metrics import ServiceMetrics
+from shared.served import health, models_response
 from shared.tokenizer import ModelTokenizer
-from shared.wire import ModelCard, ModelList
 
 RenderFn = Callable[[bytes, str | None], worker.Rendered]
 
@@ -97,20 +97,9 @@ async def completion_render(request: web.Request) -> web.Response:
     return await _render(request, lambda s: s.completion)
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
-
-
 async def models(request: web.Request) -> web.Response:
     settings = request.app[STATE].settings
-    return json_response(
-        ModelList(
-            data=[
-                ModelCard(id=n, max_model_len=settings.max_model_len)
-                for n in settings.served_model_names
-            ]
-        )
-    )
+    return models_response(settings.served_model_names, settings.max_model_len)
 
 
 def make_app(config: RenderConfig) -> web.Application:

@@ -6,14 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
-import msgspec
+from shared.served import ModelService, add_model_arguments, model_fields
 
 
-class RenderConfig(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
-    served_model_names: tuple[str, ...] = ()
-    max_model_len: int | None = None
-    host: str = "127.0.0.1"
+class RenderConfig(ModelService, frozen=True, kw_only=True):
     port: int = 8100
     # Measured (tests/bench/render.py, this 2-core machine, tiny model): threads served
     # 1.26-1.40x the requests/s of worker processes at every concurrency (1-64); the process
@@ -23,17 +19,9 @@ class RenderConfig(msgspec.Struct, frozen=True, kw_only=True):
     chat_template: str | None = None
     trust_request_chat_template: bool = False
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.served_model_names or (self.model,)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (HF layout)")
-    parser.add_argument("--served-model-name", nargs="+", default=[])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
+    add_model_arguments(parser, port=8100)
     parser.add_argument(
         "--executor",
         choices=["process", "thread"],
@@ -50,11 +38,7 @@ def from_args(args: argparse.Namespace) -> RenderConfig:
     if args.workers < 1:
         raise SystemExit("--workers must be at least 1")
     return RenderConfig(
-        model=args.model,
-        served_model_names=tuple(args.served_model_name),
-        max_model_len=args.max_model_len,
-        host=args.host,
-        port=args.port,
+        **model_fields(args),
         executor=args.executor,
         workers=args.workers,
         chat_template=template,

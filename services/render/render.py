@@ -21,7 +21,8 @@ from services.render.sampling import (
     max_tokens_for,
     sampling_params,
 )
-from shared.errors import BadRequest, NotFound
+from shared.errors import BadRequest
+from shared.served import served_name
 from shared.tokenizer import ModelTokenizer
 from shared.wire import (
     ChatCompletionRequest,
@@ -49,16 +50,7 @@ def random_id() -> str:
 
 
 def check_model(model: str | None, settings: RenderSettings) -> str:
-    """The served name to report; 404 for a model this server does not serve."""
-    if not model:
-        return settings.served_model_names[0]
-    if model not in settings.served_model_names:
-        raise NotFound(
-            f"The model `{model}` does not exist. Valid aliases: "
-            f"{', '.join(settings.served_model_names)}.",
-            param="model",
-        )
-    return model
+    return served_name(model, settings.served_model_names)
 
 
 def _common_checks(request: SamplingFields) -> None:

@@ -1,0 +1,68 @@
+"""What render and derender share: the model they serve, under which names, on which port."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from shared.errors import NotFound
+from shared.http import json_response
+from shared.wire import ModelCard, ModelList
+
+
+class ModelService(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of a tokenizer-owning service's config."""
+
+    model: str
+    served_model_names: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--model", required=True, help="model directory (HF layout)")
+    parser.add_argument("--served-model-name", nargs="+", default=[])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port)
+
+
+def model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "served_model_names": tuple(args.served_model_name),
+        "max_model_len": args.max_model_len,
+        "host": args.host,
+        "port": args.port,
+    }
+
+
+def served_name(requested: str | None, names: tuple[str, ...]) -> str:
+    """The name to answer with; 404 (vLLM's text) for a model this server does not serve."""
+    if not requested:
+        return names[0]
+    if requested not in names:
+        raise NotFound(
+            f"The model `{requested}` does not exist. Valid aliases: {', '.join(names)}.",
+            param="model",
+        )
+    return requested
+
+
+async def health(request: web.Request) -> web.Response:
+    """Answers at all only once start-up (tokenizer load) is done: aiohttp listens after it."""
+    return web.Response(status=200)
+
+
+def models_response(names: tuple[str, ...], max_model_len: int) -> web.Response:
+    return json_response(
+        ModelList(data=[ModelCard(id=n, max_model_len=max_model_len) for n in names])
+    )

@@ -1,0 +1,58 @@
+"""Pools: names that resolve to several addresses are several replicas; least-in-flight choice;
+health checks take replicas out and bring them back."""
+
+from __future__ import annotations
+
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from proxy.pool import Pool, Worker, expand, least_in_flight
+from shared.errors import UpstreamUnavailable
+
+
+async def test_a_name_with_several_addresses_is_several_replicas() -> None:
+    addresses = {i[4][0] for i in socket.getaddrinfo("localhost", 80, type=socket.SOCK_STREAM)}
+    urls = await expand("http://localhost:8100")
+    assert len(urls) == len(addresses) >= 1
+    assert all(u.endswith(":8100") for u in urls)
+    assert await expand("http://127.0.0.1:8100") == ["http://127.0.0.1:8100"]
+    pool = Pool("render", ("http://localhost:8100",))
+    await pool.resolve()
+    assert sorted(w.url for w in pool.workers) == sorted(urls)
+
+
+def test_least_in_flight_and_exclusion() -> None:
+    a, b = Worker("a", "a", in_flight=3), Worker("b", "b", in_flight=1)
+    c = Worker("c", "c", in_flight=2)
+    assert least_in_flight([a, b, c]) is b
+    pool = Pool("derender", ("a", "b", "c"))
+    pool.workers = [a, b, c]
+    assert pool.choose(exclude=[b]) is c
+    b.healthy = c.healthy = a.healthy = False
+    with pytest.raises(UpstreamUnavailable, match="no healthy derender replica"):
+        pool.choose()
+
+
+async def test_health_checks_take_out_and_bring_back() -> None:
+    up = {"ok": True}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200 if up["ok"] else 503)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        pool = Pool("render", (url,))
+        await pool.check(session)
+        assert pool.healthy()
+        up["ok"] = False
+        await pool.check(session)
+        assert pool.healthy() == []
+        up["ok"] = True
+        await pool.check(session)
+        assert len(pool.healthy()) == 1

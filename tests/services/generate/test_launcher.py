@@ -1,0 +1,71 @@
+"""`tokenline generate`: starts vLLM tokens-only, reports ready, serves, stops vLLM with it."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from services.generate.launcher import GenerateConfig, command, environment, kv_transfer_config
+from tests.http import post
+from tests.servers import VENV_BIN, free_port
+from tests.test_up import _sessions_alive
+
+
+def test_roles_get_their_connector_settings() -> None:
+    both = GenerateConfig(model="m")
+    assert kv_transfer_config(both) is None and "--tokens-only" in command(both)
+    prefill = GenerateConfig(model="m", role="prefill", cpu_cores="0", nixl_port=5601)
+    kv = json.loads(kv_transfer_config(prefill) or "{}")
+    assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_module_path"] == "services.generate.nixl_shim"
+    env = environment(prefill, {})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    decode = GenerateConfig(model="m", role="decode")
+    assert json.loads(kv_transfer_config(decode) or "{}")["kv_role"] == "kv_consumer"
+
+
+def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            str(VENV_BIN / "tokenline"),
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline().decode(errors="replace")
+            lines.append(line)
+            if "ready on" in line or not line:
+                break
+        assert f"generate[both] ready on http://127.0.0.1:{port}" in "".join(lines), lines[-20:]
+        status, out = post(
+            f"http://127.0.0.1:{port}/inference/v1/generate",
+            {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}},
+        )
+        assert status == 200 and len(out["choices"][0]["token_ids"]) == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        proc.stdout.close()
+    assert code in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while (alive := _sessions_alive({proc.pid})) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive == []  # vLLM and its engine went down with the launcher
