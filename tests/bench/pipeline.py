@@ -121,6 +121,7 @@ async def _stream(
     first = last = None
     itl: list[float] = []
     tokens = 0
+    usage = None
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             await resp.read()
@@ -128,7 +129,9 @@ async def _stream(
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
-            n = count(json.loads(line[6:]))
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            n = count(chunk)
             if not n:
                 continue
             now = time.perf_counter()
@@ -138,7 +141,9 @@ async def _stream(
                 itl.extend([(now - last) / n] * n)
             last, tokens = now, tokens + n
     end = time.perf_counter()
-    return Sample((first or end) - start, itl, end - start, tokens, tokens > 0)
+    # usage is exact; chunk counting misses tokens whose text is still held back
+    total = usage["completion_tokens"] if usage else tokens
+    return Sample((first or end) - start, itl, end - start, total, total > 0)
 
 
 def _openai_tokens(chunk: dict[str, Any]) -> int:
