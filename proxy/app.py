@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -20,6 +22,7 @@ from proxy.upstream import Retry
 from shared.errors import Overloaded, Unauthorized
 from shared.http import Handler, error_response, json_response, make_base_app
 
+log = logging.getLogger(__name__)
 CONFIG = web.AppKey("proxy_config", ProxyConfig)
 METRICS = web.AppKey("proxy_metrics", ProxyMetrics)
 LIMIT = web.AppKey("proxy_limit", asyncio.Semaphore)
@@ -83,9 +86,23 @@ def admission_middleware() -> object:
         limit = request.app[LIMIT]
         if limit.locked():
             raise Overloaded("too many requests in flight; retry later")
-        async with limit:
-            response = await handler(request)
-        if rid := request.headers.get("X-Request-Id"):
+        rid = request.headers.get("X-Request-Id")
+        start = time.perf_counter()
+        status = 500
+        try:
+            async with limit:
+                response = await handler(request)
+            status = response.status
+        finally:
+            log.info(
+                "request.done path=%s status=%s ms=%.1f request_id=%s",
+                request.path,
+                status,
+                (time.perf_counter() - start) * 1000,
+                rid,
+                extra={"request_id": rid, "status": status},
+            )
+        if rid and not response.prepared:
             response.headers["X-Request-Id"] = rid
         return response
 

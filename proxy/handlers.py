@@ -210,7 +210,10 @@ class Streamer:
 
     async def _prepared(self) -> web.StreamResponse:
         if self.response is None:
-            response = web.StreamResponse(headers=SSE_HEADERS)
+            headers = dict(SSE_HEADERS)
+            if rid := self.request.headers.get("X-Request-Id"):
+                headers["X-Request-Id"] = rid
+            response = web.StreamResponse(headers=headers)
             await response.prepare(self.request)
             self.response = response
         return self.response
