@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 
 from shared.errors import NotFound
 from shared.http import json_response
+from shared.metrics import ServiceMetrics
 from shared.wire import ModelCard, ModelList
 
 
@@ -62,7 +64,27 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def models_response(names: tuple[str, ...], max_model_len: int) -> web.Response:
-    return json_response(
-        ModelList(data=[ModelCard(id=n, max_model_len=max_model_len) for n in names])
-    )
+class Served(Protocol):
+    @property
+    def served_model_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+
+def add_service_routes(
+    app: web.Application, metrics: ServiceMetrics, served: Callable[[web.Application], Served]
+) -> None:
+    """`/health`, `/v1/models` and `/metrics`, the same on render and derender."""
+
+    async def models(request: web.Request) -> web.Response:
+        s = served(request.app)
+        return json_response(
+            ModelList(
+                data=[ModelCard(id=n, max_model_len=s.max_model_len) for n in s.served_model_names]
+            )
+        )
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics.handle)

@@ -23,7 +23,7 @@ from services.derender.derender import (
 )
 from shared.http import json_response, make_base_app, read_json_body
 from shared.metrics import ServiceMetrics
-from shared.served import health, models_response
+from shared.served import add_service_routes
 from shared.tokenizer import ModelTokenizer
 from shared.wire import (
     DERENDER_CHAT,
@@ -134,11 +134,6 @@ async def completion_batch(request: web.Request) -> web.Response:
     return json_response([await _one(state, r) for r in batch.requests])
 
 
-async def models(request: web.Request) -> web.Response:
-    settings = request.app[STATE].settings
-    return models_response(settings.served_model_names, settings.max_model_len)
-
-
 def make_app(config: DerenderConfig) -> web.Application:
     metrics = ServiceMetrics("derender")
     app = make_base_app([metrics.middleware()])
@@ -151,7 +146,5 @@ def make_app(config: DerenderConfig) -> web.Application:
     app.router.add_post("/v1/completions/derender", completion)
     app.router.add_post("/v1/chat/completions/derender/batch", chat_batch)
     app.router.add_post("/v1/completions/derender/batch", completion_batch)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics.handle)
+    add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app

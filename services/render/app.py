@@ -16,7 +16,7 @@ from services.render.config import RenderConfig
 from services.render.render import RenderSettings
 from shared.http import make_base_app, read_json_body
 from shared.metrics import ServiceMetrics
-from shared.served import health, models_response
+from shared.served import add_service_routes
 from shared.tokenizer import ModelTokenizer
 
 RenderFn = Callable[[bytes, str | None], worker.Rendered]
@@ -97,11 +97,6 @@ async def completion_render(request: web.Request) -> web.Response:
     return await _render(request, lambda s: s.completion)
 
 
-async def models(request: web.Request) -> web.Response:
-    settings = request.app[STATE].settings
-    return models_response(settings.served_model_names, settings.max_model_len)
-
-
 def make_app(config: RenderConfig) -> web.Application:
     metrics = ServiceMetrics("render")
     app = make_base_app([metrics.middleware()])
@@ -111,7 +106,5 @@ def make_app(config: RenderConfig) -> web.Application:
     app.cleanup_ctx.append(executor_ctx)
     app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/v1/completions/render", completion_render)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics.handle)
+    add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app
