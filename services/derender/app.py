@@ -12,10 +12,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import Counter
 
+from services.derender.bounds import DerenderSettings
 from services.derender.channel import channel_ctx, endpoint
 from services.derender.config import DerenderConfig
 from services.derender.derender import (
-    DerenderSettings,
     derender_chat,
     derender_chat_stream,
     derender_completion,

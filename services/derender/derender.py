@@ -8,13 +8,18 @@ the tokenizer with an ID it cannot hold.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 
+from services.derender.bounds import (
+    Choice,
+    DerenderSettings,
+    check_choice,
+    check_prompt_ids,
+    check_response,
+    model_name,
+)
 from services.derender.choice import ChoiceDecoder, ChoiceOptions, ChoiceOutput, ChoiceState
 from services.derender.logprobs import LogprobResolver
 from shared.errors import BadRequest
-from shared.served import served_name
 from shared.tokenizer import ModelTokenizer
 from shared.wire import (
     AssistantMessage,
@@ -34,95 +39,11 @@ from shared.wire import (
     DerenderChatStreamResponse,
     DerenderCompletionRequest,
     DerenderCompletionStreamResponse,
-    GenerateChoice,
-    GenerateResponse,
     GenerateStreamChoice,
     GenerateStreamChunk,
     StopMatch,
     Usage,
 )
-
-Choice = GenerateChoice | GenerateStreamChoice
-
-
-@dataclass(frozen=True)
-class DerenderSettings:
-    served_model_names: tuple[str, ...]
-    max_model_len: int
-    max_choices: int = 16384
-    max_logprobs: int = 20
-
-
-# --------------------------------------------------------------------------- checks
-
-
-def model_name(requested: str | None, settings: DerenderSettings) -> str:
-    return served_name(requested, settings.served_model_names)
-
-
-def _check_ids(ids: Iterable[int], tok: ModelTokenizer, where: str) -> None:
-    for token_id in ids:
-        if token_id >= tok.vocab_size:
-            raise BadRequest(
-                f"token ID {token_id} in {where} is outside the vocabulary "
-                f"(vocab_size={tok.vocab_size}).",
-                param=where,
-            )
-
-
-def check_prompt_ids(ids: list[int] | None, tok: ModelTokenizer, s: DerenderSettings) -> None:
-    if ids is None:
-        return
-    if len(ids) > s.max_model_len:
-        raise BadRequest(
-            f"prompt_token_ids length ({len(ids)}) exceeds max_model_len ({s.max_model_len}).",
-            param="prompt_token_ids",
-        )
-    _check_ids(ids, tok, "prompt_token_ids")
-
-
-def check_choice(c: Choice, tok: ModelTokenizer, s: DerenderSettings, whole: bool) -> None:
-    """Bounds on one choice; `whole` (non-streaming) also needs token IDs present."""
-    ids = c.token_ids or []
-    if whole and not ids:
-        raise BadRequest(f"choice {c.index} has empty or null token_ids", param="token_ids")
-    if len(ids) > s.max_model_len:
-        raise BadRequest(
-            f"token_ids length ({len(ids)}) in choice {c.index} exceeds max_model_len "
-            f"({s.max_model_len}).",
-            param="token_ids",
-        )
-    _check_ids(ids, tok, "token_ids")
-    content = c.logprobs.content if c.logprobs is not None else None
-    if content is None:
-        return
-    if len(content) > len(ids):
-        raise BadRequest(
-            f"logprobs.content length ({len(content)}) in choice {c.index} exceeds its "
-            f"token_ids ({len(ids)}).",
-            param="logprobs",
-        )
-    for entry in content:
-        if len(entry.top_logprobs) > s.max_logprobs + 2:
-            raise BadRequest(
-                f"top_logprobs count ({len(entry.top_logprobs)}) in choice {c.index} exceeds "
-                f"max_logprobs ({s.max_logprobs}).",
-                param="top_logprobs",
-            )
-        _check_ids([entry.token_id, *(t.token_id for t in entry.top_logprobs)], tok, "logprobs")
-
-
-def check_response(r: GenerateResponse, tok: ModelTokenizer, s: DerenderSettings) -> None:
-    if len(r.choices) > s.max_choices:
-        raise BadRequest(
-            f"choices count ({len(r.choices)}) in response '{r.request_id}' exceeds server "
-            f"maximum ({s.max_choices}).",
-            param="choices",
-        )
-    for c in r.choices:
-        check_choice(c, tok, s, whole=True)
-    check_prompt_ids(r.prompt_token_ids, tok, s)
-
 
 # --------------------------------------------------------------------------- shared pieces
 

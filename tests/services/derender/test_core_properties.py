@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers.decoders import DecodeStream
 
+from services.derender.bounds import DerenderSettings
 from services.derender.derender import (
-    DerenderSettings,
     derender_chat,
     derender_chat_stream,
     derender_completion,
