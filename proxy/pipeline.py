@@ -21,9 +21,9 @@ import msgspec
 
 from proxy.channel import DerenderChannel
 from proxy.metrics import ProxyMetrics
-from proxy.pool import Pool, Pools, Worker
+from proxy.pool import Pools, Worker
 from proxy.upstream import Retry, call_pure, post_generate
-from shared.errors import ServiceError, UpstreamError, UpstreamRejected, UpstreamUnavailable
+from shared.errors import ServiceError, UpstreamError, UpstreamRejected
 from shared.wire import (
     GENERATE_CHUNK,
     GENERATE_REQUEST,
@@ -36,7 +36,6 @@ from shared.wire import (
     GenerateResponse,
     GenerateStreamChoice,
     GenerateStreamChunk,
-    StopMatch,
 )
 
 log = logging.getLogger(__name__)
@@ -308,11 +307,3 @@ class ChoiceProgress:
     completion_tokens: int = 0
     finished: bool = False
     stopped_early: bool = False  # a stop string ended it before the engine did
-
-
-StopResult = StopMatch | None
-
-
-def unavailable_if_empty(pool: Pool) -> None:
-    if not pool.healthy():
-        raise UpstreamUnavailable(f"no healthy {pool.role} replica (of {len(pool.workers)})")

@@ -7,7 +7,6 @@ absolute numbers only mean something next to each other.
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -91,7 +90,3 @@ def report(
             f"{'ratio':>10} c={ours.concurrency:<3} tokenline/vLLM = {ratio:.2f}x{extra}  "
             f"p50 {ours.pct(0.5):.2f} vs {peer.pct(0.5):.2f} ms"
         )
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
