@@ -30,7 +30,7 @@ from proxy.pipeline import (
     retry_id,
 )
 from proxy.upstream import stream_generate
-from shared.errors import ServiceError, UpstreamRejected
+from shared.errors import ServiceError, UpstreamError, UpstreamRejected
 from shared.http import read_json_body
 from shared.wire import (
     CHAT_COMPLETION,
@@ -69,6 +69,14 @@ SSE_HEADERS = {
 DONE = b"data: [DONE]\n\n"
 
 ClientRequest = ChatCompletionRequest | CompletionRequest
+
+
+def _decoded(decoder: Any, data: bytes) -> Any:
+    """A derender answer, or an upstream error naming the hop (never a bare decode error)."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise UpstreamError(f"derender answered an unreadable body: {exc}") from exc
 
 
 def sse(payload: bytes) -> bytes:
@@ -201,6 +209,15 @@ class Streamer:
             if self.response is None:
                 raise exc from None
             await self._write(sse(JSON.encode(exc.to_wire())))
+        except* Exception as eg:
+            # A bug, not an upstream failure: after the first byte it still ends the stream
+            # in-band (never a hang or a cut connection without [DONE]).
+            if self.response is None:
+                raise eg.exceptions[0] from None
+            log.exception(
+                "stream.crashed request_id=%s", self.gens[0].request_id, exc_info=eg.exceptions[0]
+            )
+            await self._write(sse(JSON.encode(ServiceError("Internal server error").to_wire())))
         else:
             await self._finish()
         response = await self._prepared()
@@ -311,11 +328,11 @@ class Streamer:
             data = await self.hops.derender(
                 self.kind, JSON.encode(fields), hop_headers(self.request)
             )
-            return DERENDERED[self.kind.name].decode(data)
+            return _decoded(DERENDERED[self.kind.name], data)
         fields[self.kind.request_field] = self.client
         wire = DerenderChatRequest if self.kind is CHAT else DerenderCompletionRequest
         data = await self.hops.derender_channel(self.kind, MSGPACK.encode(wire(**fields)))
-        return DERENDERED_MSGPACK[self.kind.name].decode(data)
+        return _decoded(DERENDERED_MSGPACK[self.kind.name], data)
 
     async def _emit(self, p: int, out: Any, prog: ChoiceProgress) -> None:
         chunk = out.chunk

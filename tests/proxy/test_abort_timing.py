@@ -1,5 +1,5 @@
-"""A client that goes away aborts the engine request within 100 ms (in-process, real aiohttp
-servers on loopback; the engine is a double that records when it was told)."""
+"""Timing and in-band failures of the streaming path (in-process, real aiohttp servers on
+loopback; the engine is a double that records when it was told to stop)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from proxy.app import make_app as make_proxy
@@ -66,4 +68,82 @@ async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiny_model: 
         assert decode.cancelled_at is not None and decode.cancelled_at - closed < 0.1
     finally:
         for server in (render, derender, engine):
+            await server.close()
+
+
+async def test_failure_after_first_byte_ends_stream_in_band(
+    aiohttp_client: Any, tiny_model: Path
+) -> None:
+    """Derender starts answering garbage mid-stream: the client gets the chunks so far, an
+    error event and [DONE] (status 200 was already sent), and the engine request is aborted."""
+    decode = EndlessDecode()
+    names = ("tiny",)
+    real = make_derender(
+        DerenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
+    )
+    calls = {"n": 0}
+
+    async def flaky(request: web.Request) -> web.StreamResponse:
+        calls["n"] += 1
+        if calls["n"] > 2:
+            return web.Response(body=b"not json", content_type="application/json")
+        return await forward(request)
+
+    render = TestServer(
+        make_render(
+            RenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
+        )
+    )
+    real_server = TestServer(real)
+    engine = TestServer(decode.app)
+    for server in (render, real_server, engine):
+        await server.start_server()
+    proxied = web.Application()
+    proxied.router.add_post("/v1/chat/completions/derender", flaky)
+    proxied.router.add_get("/health", decode.health)
+    session = aiohttp.ClientSession()
+
+    async def forward(request: web.Request) -> web.Response:
+        async with session.post(
+            real_server.make_url("/v1/chat/completions/derender"),
+            data=await request.read(),
+            headers={"Content-Type": "application/json"},
+        ) as resp:
+            return web.Response(
+                body=await resp.read(), status=resp.status, content_type="application/json"
+            )
+
+    derender = TestServer(proxied)
+    await derender.start_server()
+    try:
+        config = ProxyConfig(
+            render_urls=(str(render.make_url("")).rstrip("/"),),
+            derender_urls=(str(derender.make_url("")).rstrip("/"),),
+            decode_urls=(str(engine.make_url("")).rstrip("/"),),
+            retry_attempts=1,
+        )
+        client = await aiohttp_client(make_proxy(config))
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "max_tokens": 1000,
+            },
+        )
+        assert resp.status == 200
+        body = await asyncio.wait_for(resp.read(), 10)
+        events = [e for e in body.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert b'"error"' in events[-2] and b"unreadable" in events[-2]
+        assert b'"choices"' in events[0]
+        for _ in range(100):
+            if decode.aborted_at is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert decode.aborted_at is not None
+    finally:
+        await session.close()
+        for server in (render, real_server, engine, derender):
             await server.close()
