@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import itertools
 from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -24,6 +25,7 @@ from shared.wire import JSON
 from shared.zmq import MSGPACK, REPLY, Call
 
 CALL_TIMEOUT = 30.0
+Kind = Literal["chat", "completion"]
 
 
 @dataclass
@@ -64,13 +66,13 @@ class DerenderChannel:
         self.connections[worker.url] = conn
         return conn
 
-    async def _call_once(self, worker: Worker, kind: str, body: bytes) -> bytes:
+    async def _call_once(self, worker: Worker, kind: Kind, body: bytes) -> bytes:
         conn = await self._connection(worker)
         call_id = next(self.ids)
         future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         conn.pending[call_id] = future
         try:
-            await conn.sock.send(MSGPACK.encode(Call(call_id, kind, body)))  # type: ignore[arg-type]
+            await conn.sock.send(MSGPACK.encode(Call(call_id, kind, body)))
             status, data = await asyncio.wait_for(future, CALL_TIMEOUT)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"derender {worker.url} (zmq) timed out") from exc
@@ -81,7 +83,7 @@ class DerenderChannel:
             raise rejected_or_failed("derender", worker, status, JSON.encode(envelope))
         return data
 
-    async def call(self, pool: Pool, kind: str, body: bytes, retry: Retry) -> bytes:
+    async def call(self, pool: Pool, kind: Kind, body: bytes, retry: Retry) -> bytes:
         """Like `call_pure`: another replica on failure, bounded attempts."""
         tried: list[Worker] = []
         last: ServiceError = UpstreamUnavailable("no derender replica answered")

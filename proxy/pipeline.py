@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 import msgspec
@@ -55,7 +55,7 @@ QUEUE_LIMIT = 65536  # generate chunks buffered per request before the request i
 class Kind:
     """Chat or completions: the paths and the name of the original-request field."""
 
-    name: str
+    name: Literal["chat", "completion"]
     render_path: str
     derender_path: str
     request_field: str

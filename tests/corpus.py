@@ -77,33 +77,57 @@ def chat_requests(model: str) -> list[dict[str, Any]]:
         logprobs = {"logprobs": True, "top_logprobs": j % 6} if j % 2 else {}
         out.append({"messages": msg, **variant, **logprobs})
     out += [
-        {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
-         "tool_choice": "none"},
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": TOOLS,
+            "tool_choice": "none",
+        },
         {
             "messages": [
                 {"role": "user", "content": "What time is it?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "now", "arguments": "{}"}},
-                    {"id": "call_2", "type": "function",
-                     "function": {"name": "get_weather", "arguments": "{\"city\": \"東京\"}"}},
-                ]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "now", "arguments": "{}"},
+                        },
+                        {
+                            "id": "call_2",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "東京"}'},
+                        },
+                    ],
+                },
                 {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
-                {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text",
-                                                                        "text": "晴れ"}]},
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_2",
+                    "content": [{"type": "text", "text": "晴れ"}],
+                },
             ],
-            "tools": TOOLS, "tool_choice": "none",
+            "tools": TOOLS,
+            "tool_choice": "none",
         },
-        {"messages": [{"role": "user", "content": "Finish this:"},
-                      {"role": "assistant", "content": "Once upon a time, "}],
-         "add_generation_prompt": False, "continue_final_message": True},
-        {"messages": [{"role": "user", "content": "No thinking."}],
-         "chat_template_kwargs": {"enable_thinking": False}},
+        {
+            "messages": [
+                {"role": "user", "content": "Finish this:"},
+                {"role": "assistant", "content": "Once upon a time, "},
+            ],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        {
+            "messages": [{"role": "user", "content": "No thinking."}],
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
         {"messages": [{"role": "user", "content": "Name?", "name": "alice"}]},
         {"messages": [{"role": "user", "content": ""}], "max_tokens": 3},
         {"messages": [{"role": "user", "content": "Special <|im_end|> in text"}]},
         {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
-    ]  # fmt: skip
+    ]
     return out
 
 

@@ -12,16 +12,29 @@ from aiohttp import web
 async def generate(request: web.Request) -> web.Response:
     body = await request.json()
     n = len(body["token_ids"])
-    return web.json_response({
-        "request_id": "generate-tokens-bogus", "output_mode": "tokens",
-        "choices": [{"index": 0, "finish_reason": "length", "token_ids": [1]}],
-        "kv_transfer_params": {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
-            "remote_engine_id": str(uuid.uuid4()), "remote_request_id": "generate-tokens-gone",
-            "remote_host": "127.0.0.1", "remote_port": 9, "tp_size": 1, "dcp_size": 1,
-            "pp_size": 1, "remote_num_tokens": n, "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull", "remote_prefill_cached_tokens": 0},
-    })  # fmt: skip
+    return web.json_response(
+        {
+            "request_id": "generate-tokens-bogus",
+            "output_mode": "tokens",
+            "choices": [{"index": 0, "finish_reason": "length", "token_ids": [1]}],
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2]],
+                "remote_engine_id": str(uuid.uuid4()),
+                "remote_request_id": "generate-tokens-gone",
+                "remote_host": "127.0.0.1",
+                "remote_port": 9,
+                "tp_size": 1,
+                "dcp_size": 1,
+                "pp_size": 1,
+                "remote_num_tokens": n,
+                "remote_blocks_expiry_time": None,
+                "transfer_mode": "pull",
+                "remote_prefill_cached_tokens": 0,
+            },
+        }
+    )
 
 
 async def health(request: web.Request) -> web.Response:

@@ -39,10 +39,16 @@ WORDS = ["鑫龘", "😀🎉", "こんにちは", "안녕", " hello", "ab", "\n"
 
 @st.composite
 def generation(draw: Any, tok: ModelTokenizer) -> dict[str, Any]:
-    pieces = draw(st.lists(st.one_of(
-        st.integers(0, tok.tokenizer_size - 1).map(lambda i: [i]),
-        st.sampled_from(WORDS).map(lambda w: tok.encode(w, add_special_tokens=False)),
-    ), min_size=1, max_size=12))  # fmt: skip
+    pieces = draw(
+        st.lists(
+            st.one_of(
+                st.integers(0, tok.tokenizer_size - 1).map(lambda i: [i]),
+                st.sampled_from(WORDS).map(lambda w: tok.encode(w, add_special_tokens=False)),
+            ),
+            min_size=1,
+            max_size=12,
+        )
+    )
     ids = [i for p in pieces for i in p][:40]
     finish = draw(st.sampled_from(["length", "stop"]))
     stop_reason = draw(st.sampled_from([None, tok.eos_token_id])) if finish == "stop" else None
@@ -57,30 +63,59 @@ def generation(draw: Any, tok: ModelTokenizer) -> dict[str, Any]:
         "top_logprobs": draw(st.integers(0, 3)),
     }
     prompt = draw(st.lists(st.integers(0, tok.tokenizer_size - 1), max_size=8))
-    return {"ids": ids, "finish": finish, "stop_reason": stop_reason, "cuts": cuts,
-            "request": request, "prompt": prompt or None}  # fmt: skip
+    return {
+        "ids": ids,
+        "finish": finish,
+        "stop_reason": stop_reason,
+        "cuts": cuts,
+        "request": request,
+        "prompt": prompt or None,
+    }
 
 
 def logprob_entries(ids: list[int], vocab: int) -> list[dict[str, Any]]:
-    return [{"token_id": t, "logprob": -0.5, "rank": 2,
-             "top_logprobs": [{"token_id": t, "logprob": -0.5, "rank": 2},
-                              {"token_id": (t * 7 + 1) % vocab, "logprob": -0.1, "rank": 1},
-                              {"token_id": (t * 13 + 5) % vocab, "logprob": -2.0, "rank": 3}]}
-            for t in ids]  # fmt: skip
+    return [
+        {
+            "token_id": t,
+            "logprob": -0.5,
+            "rank": 2,
+            "top_logprobs": [
+                {"token_id": t, "logprob": -0.5, "rank": 2},
+                {"token_id": (t * 7 + 1) % vocab, "logprob": -0.1, "rank": 1},
+                {"token_id": (t * 13 + 5) % vocab, "logprob": -2.0, "rank": 3},
+            ],
+        }
+        for t in ids
+    ]
 
 
 def whole(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
-    body = {"generate_response": {"request_id": "r", "choices": [{
-        "index": 0, "token_ids": g["ids"], "finish_reason": g["finish"],
-        "stop_reason": g["stop_reason"],
-        "logprobs": {"content": logprob_entries(g["ids"], tok.tokenizer_size)}}]},
-        "prompt_token_ids": g["prompt"], "chat_request": g["request"]}  # fmt: skip
+    body = {
+        "generate_response": {
+            "request_id": "r",
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": g["ids"],
+                    "finish_reason": g["finish"],
+                    "stop_reason": g["stop_reason"],
+                    "logprobs": {"content": logprob_entries(g["ids"], tok.tokenizer_size)},
+                }
+            ],
+        },
+        "prompt_token_ids": g["prompt"],
+        "chat_request": g["request"],
+    }
     out = derender_chat(DERENDER_CHAT.decode(JSON.encode(body)), tok, SETTINGS)
     choice = out.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
-    return {"text": choice.message.content, "finish": choice.finish_reason,
-            "stop": choice.stop_reason, "tokens": out.usage.completion_tokens if out.usage else 0,
-            "logprobs": [msgspec.to_builtins(e) for e in choice.logprobs.content]}  # fmt: skip
+    return {
+        "text": choice.message.content,
+        "finish": choice.finish_reason,
+        "stop": choice.stop_reason,
+        "tokens": out.usage.completion_tokens if out.usage else 0,
+        "logprobs": [msgspec.to_builtins(e) for e in choice.logprobs.content],
+    }
 
 
 def streamed(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
@@ -92,13 +127,25 @@ def streamed(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
         if a >= b:
             continue
         last = b == len(ids)
-        chunk = {"request_id": "r", "choices": [{
-            "index": 0, "token_ids": ids[a:b], "logprobs": {"content": entries[a:b]},
-            "finish_reason": g["finish"] if last else None,
-            "stop_reason": g["stop_reason"] if last else None}]}  # fmt: skip
-        body = {"stream": True, "generate_chunk": chunk, "stream_state": state,
-                "prompt_token_ids": g["prompt"] if k == 0 else None,
-                "chat_request": g["request"]}  # fmt: skip
+        chunk = {
+            "request_id": "r",
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": ids[a:b],
+                    "logprobs": {"content": entries[a:b]},
+                    "finish_reason": g["finish"] if last else None,
+                    "stop_reason": g["stop_reason"] if last else None,
+                }
+            ],
+        }
+        body = {
+            "stream": True,
+            "generate_chunk": chunk,
+            "stream_state": state,
+            "prompt_token_ids": g["prompt"] if k == 0 else None,
+            "chat_request": g["request"],
+        }
         out = derender_chat_stream(DERENDER_CHAT.decode(JSON.encode(body)), tok, SETTINGS)
         # the state travels as JSON, as it would through a proxy
         state = msgspec.to_builtins(STATE.decode(JSON.encode(out.stream_state)))
@@ -156,16 +203,37 @@ def test_completion_offsets_are_absolute_across_chunks(tiny_tok: ModelTokenizer)
     ids = tok.encode("hello world 鑫龘 done", add_special_tokens=False)
     entries = logprob_entries(ids, tok.tokenizer_size)
     req = {"prompt": "x", "logprobs": 1}
-    whole_body = {"generate_responses": [{"request_id": "r", "choices": [{
-        "index": 0, "token_ids": ids, "finish_reason": "length",
-        "logprobs": {"content": entries}}]}], "completion_request": req}  # fmt: skip
+    whole_body = {
+        "generate_responses": [
+            {
+                "request_id": "r",
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": ids,
+                        "finish_reason": "length",
+                        "logprobs": {"content": entries},
+                    }
+                ],
+            }
+        ],
+        "completion_request": req,
+    }
     one = derender_completion(DERENDER_COMPLETION.decode(JSON.encode(whole_body)), tok, SETTINGS)
     assert one.choices[0].logprobs is not None
     offsets, tokens, state = [], [], None
     for i in range(len(ids)):
-        chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [ids[i]],
-                 "logprobs": {"content": [entries[i]]},
-                 "finish_reason": "length" if i == len(ids) - 1 else None}]}  # fmt: skip
+        chunk = {
+            "request_id": "r",
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [ids[i]],
+                    "logprobs": {"content": [entries[i]]},
+                    "finish_reason": "length" if i == len(ids) - 1 else None,
+                }
+            ],
+        }
         body = {
             "stream": True,
             "generate_chunk": chunk,

@@ -111,28 +111,68 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions/derender", {"generate_response": _choice([1, -3])}, "token_ids"),
     ("/v1/chat/completions/derender", {"generate_response": _choice([1, 999999])}, "vocabulary"),
     ("/v1/chat/completions/derender", {"generate_response": _choice([])}, "empty"),
-    ("/v1/chat/completions/derender", {"generate_response": _choice([1] * 3000)},
-     "max_model_len"),
-    ("/v1/chat/completions/derender", {"model": "other", "generate_response": _choice([1])},
-     "does not exist"),
+    ("/v1/chat/completions/derender", {"generate_response": _choice([1] * 3000)}, "max_model_len"),
+    (
+        "/v1/chat/completions/derender",
+        {"model": "other", "generate_response": _choice([1])},
+        "does not exist",
+    ),
     ("/v1/chat/completions/derender", {"stream": True}, "generate_chunk"),
-    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
-                                       "stream_state": {"detok_ids": [1], "detok_prefix": 5}},
-     "stream_state"),
-    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
-                                       "stream_state": {"logprob_context_token_ids": [1] * 5}},
-     "logprob_context_token_ids"),
-    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
-                                       "stream_state": {"detok_ids": [10**7]}}, "vocabulary"),
-    ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": _choice([1]),
-                                       "stream_state": "garbage"}, "stream_state"),
+    (
+        "/v1/chat/completions/derender",
+        {
+            "stream": True,
+            "generate_chunk": _choice([1]),
+            "stream_state": {"detok_ids": [1], "detok_prefix": 5},
+        },
+        "stream_state",
+    ),
+    (
+        "/v1/chat/completions/derender",
+        {
+            "stream": True,
+            "generate_chunk": _choice([1]),
+            "stream_state": {"logprob_context_token_ids": [1] * 5},
+        },
+        "logprob_context_token_ids",
+    ),
+    (
+        "/v1/chat/completions/derender",
+        {"stream": True, "generate_chunk": _choice([1]), "stream_state": {"detok_ids": [10**7]}},
+        "vocabulary",
+    ),
+    (
+        "/v1/chat/completions/derender",
+        {"stream": True, "generate_chunk": _choice([1]), "stream_state": "garbage"},
+        "stream_state",
+    ),
     ("/v1/completions/derender", {"generate_responses": []}, "empty"),
-    ("/v1/completions/derender", {"generate_responses": [_choice([1])], "prompt_tokens": [1, 2]},
-     "prompt_tokens"),
-    ("/v1/completions/derender", {"generate_responses": [_choice([1], logprobs={"content": [
-        {"token_id": 1, "logprob": 0.0, "top_logprobs": [{"token_id": 1, "logprob": 0.0}] * 40}
-    ]})]}, "top_logprobs"),
-]  # fmt: skip
+    (
+        "/v1/completions/derender",
+        {"generate_responses": [_choice([1])], "prompt_tokens": [1, 2]},
+        "prompt_tokens",
+    ),
+    (
+        "/v1/completions/derender",
+        {
+            "generate_responses": [
+                _choice(
+                    [1],
+                    logprobs={
+                        "content": [
+                            {
+                                "token_id": 1,
+                                "logprob": 0.0,
+                                "top_logprobs": [{"token_id": 1, "logprob": 0.0}] * 40,
+                            }
+                        ]
+                    },
+                )
+            ]
+        },
+        "top_logprobs",
+    ),
+]
 
 
 @pytest.mark.parametrize(("path", "body", "needle"), BAD)

@@ -28,16 +28,24 @@ CHAT_CASES: list[dict[str, Any]] = [
     {"temperature": 1.0, "seed": 7, "max_tokens": 40, "logprobs": True, "top_logprobs": 3},
     {"temperature": 1.0, "seed": 8, "max_tokens": 40, "skip_special_tokens": False},
     {"temperature": 0.8, "seed": 9, "max_tokens": 30, "stop": "@STOP@"},
-    {"temperature": 0.8, "seed": 9, "max_tokens": 30, "stop": "@STOP@",
-     "include_stop_str_in_output": True, "logprobs": True, "top_logprobs": 2},
+    {
+        "temperature": 0.8,
+        "seed": 9,
+        "max_tokens": 30,
+        "stop": "@STOP@",
+        "include_stop_str_in_output": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
     {"temperature": 1.0, "seed": 11, "max_tokens": 30, "stop": ["@STOP@", "zz"], "min_tokens": 3},
     {"temperature": 0, "max_tokens": 12, "allowed_token_ids": None},  # EOS-terminated below
     {"temperature": 0, "max_tokens": 20, "stop_token_ids": None},
-]  # fmt: skip
+]
 
 
-def _fill(case: dict[str, Any], oracle: Server, kind: str, base: dict[str, Any],
-          eos: int) -> dict[str, Any] | None:  # fmt: skip
+def _fill(
+    case: dict[str, Any], oracle: Server, kind: str, base: dict[str, Any], eos: int
+) -> dict[str, Any] | None:
     body = {**base, **case}
     if case.get("allowed_token_ids", 0) is None:  # make the engine emit the primary EOS
         body["allowed_token_ids"] = [eos, 5, 6, 7]
@@ -53,8 +61,10 @@ def _fill(case: dict[str, Any], oracle: Server, kind: str, base: dict[str, Any],
 
 
 def body_first_token(oracle: Server, kind: str, base: dict[str, Any]) -> int:
-    _, out = post(oracle.url + _path(kind), {**base, "temperature": 0, "max_tokens": 5,
-                                               "return_token_ids": True})  # fmt: skip
+    _, out = post(
+        oracle.url + _path(kind),
+        {**base, "temperature": 0, "max_tokens": 5, "return_token_ids": True},
+    )
     return int(out["choices"][0]["token_ids"][2])
 
 
@@ -94,13 +104,22 @@ def _assemble_stream(raw: bytes, kind: str) -> dict[str, Any]:
                 logprobs += lp["content"] if kind == "chat" else _flat_completion(lp)
             if c.get("finish_reason"):
                 finish, stop = c["finish_reason"], c.get("stop_reason")
-    return {"text": text, "logprobs": logprobs, "finish": finish, "stop": stop,
-            "completion_tokens": usage["completion_tokens"] if usage else None}  # fmt: skip
+    return {
+        "text": text,
+        "logprobs": logprobs,
+        "finish": finish,
+        "stop": stop,
+        "completion_tokens": usage["completion_tokens"] if usage else None,
+    }
 
 
 def _flat_completion(lp: dict[str, Any]) -> list[Any]:
-    return [list(x) for x in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
-                                 lp["text_offset"], strict=True)]  # fmt: skip
+    return [
+        list(x)
+        for x in zip(
+            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], lp["text_offset"], strict=True
+        )
+    ]
 
 
 def _whole(resp: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -116,8 +135,9 @@ def _whole(resp: dict[str, Any], kind: str) -> dict[str, Any]:
     }
 
 
-def _ours_stream(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
-                 request: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _ours_stream(
+    derender: Server, gen_url: str, kind: str, gen: dict[str, Any], request: dict[str, Any]
+) -> dict[str, Any]:
     gen = {**gen, "stream": True, "stream_options": {"include_usage": True}}
     raw = post_raw(gen_url, gen)
     state, chunks, matched = None, [], None
@@ -143,12 +163,14 @@ def _ours_stream(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
                 {"choices": [], "usage": {"completion_tokens": matched["completion_tokens"]}}
             )
             break
-    return _assemble_stream(b"".join(b"data: " + json.dumps(c).encode() + b"\n\n"
-                                     for c in chunks), kind)  # fmt: skip
+    return _assemble_stream(
+        b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks), kind
+    )
 
 
-def _ours_whole(derender: Server, gen_url: str, kind: str, gen: dict[str, Any],
-                request: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _ours_whole(
+    derender: Server, gen_url: str, kind: str, gen: dict[str, Any], request: dict[str, Any]
+) -> dict[str, Any]:
     _, resp = post(gen_url, {**gen, "stream": False, "stream_options": None})
     if kind == "chat":
         body = {
@@ -187,9 +209,16 @@ def _cases(kind: str) -> list[tuple[int, int, dict[str, Any]]]:
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("model", ["tiny", "tiny-qwen3"])
-def test_matches_monolithic_vllm(fleet: Fleet, derender_tiny: Server, derender_qwen3: Server,
-                                 tiny_tok: Any, qwen3_tok: Any, kind: str, stream: bool,
-                                 model: str) -> None:  # fmt: skip
+def test_matches_monolithic_vllm(
+    fleet: Fleet,
+    derender_tiny: Server,
+    derender_qwen3: Server,
+    tiny_tok: Any,
+    qwen3_tok: Any,
+    kind: str,
+    stream: bool,
+    model: str,
+) -> None:
     oracle = fleet.oracle if model == "tiny" else fleet.oracle_qwen3
     derender = derender_tiny if model == "tiny" else derender_qwen3
     eos = (tiny_tok if model == "tiny" else qwen3_tok).eos_token_id

@@ -19,9 +19,20 @@ from tests.servers import Server
 
 @pytest.fixture(scope="module")
 def render_server(tiny_model: Path) -> Iterator[Server]:
-    server = servers.tokenline("tokenline-render", "render", "--model", str(tiny_model),
-                               "--served-model-name", "tiny", "--max-model-len", "2048",
-                               "--executor", "process", "--workers", "2")  # fmt: skip
+    server = servers.tokenline(
+        "tokenline-render",
+        "render",
+        "--model",
+        str(tiny_model),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "2048",
+        "--executor",
+        "process",
+        "--workers",
+        "2",
+    )
     server.start().wait(60)
     yield server
     server.stop()
@@ -65,7 +76,9 @@ def test_health_answers_under_full_load(render_server: Server) -> None:
 
 @pytest.mark.parametrize("module", ["services.render.app", "services.derender.app", "proxy.app"])
 def test_front_tiers_never_import_torch_or_vllm(module: str) -> None:
-    code = (f"import sys, {module}; bad = [m for m in ('torch', 'vllm', 'transformers') "
-            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")  # fmt: skip
+    code = (
+        f"import sys, {module}; bad = [m for m in ('torch', 'vllm', 'transformers') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -18,11 +18,28 @@ from tests.http import post
 # vLLM serializes SamplingParams without its defaults, and its max_tokens default is 16.
 DEFAULTS = {f: getattr(SamplingParams(max_tokens=16), f) for f in SamplingParams.__struct_fields__}
 # Fields that change what the engine generates or what derender must do with it.
-COMPARED = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-            "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "max_tokens", "min_tokens", "logprobs", "skip_special_tokens",
-            "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias",
-            "allowed_token_ids")  # fmt: skip
+COMPARED = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+)
 EMPTY_IS_NONE = ("stop", "stop_token_ids", "allowed_token_ids")
 
 
@@ -41,11 +58,17 @@ def served(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def render_client(aiohttp_client: Any, served: str, tiny_model: Any,
-                        qwen3_model: Any) -> TestClient:  # fmt: skip
+async def render_client(
+    aiohttp_client: Any, served: str, tiny_model: Any, qwen3_model: Any
+) -> TestClient:
     model = tiny_model if served == "tiny" else qwen3_model
-    config = RenderConfig(model=str(model), served_model_names=(served,), max_model_len=2048,
-                          executor="thread", workers=2)  # fmt: skip
+    config = RenderConfig(
+        model=str(model),
+        served_model_names=(served,),
+        max_model_len=2048,
+        executor="thread",
+        workers=2,
+    )
     return await aiohttp_client(make_app(config))
 
 
@@ -63,8 +86,9 @@ def compare(theirs: dict[str, Any], mine: dict[str, Any], i: int) -> None:
         assert mine["stream_options"] == theirs["stream_options"]
 
 
-async def test_chat_render_matches_vllm(fleet: Fleet, render_client: TestClient,
-                                        served: str) -> None:  # fmt: skip
+async def test_chat_render_matches_vllm(
+    fleet: Fleet, render_client: TestClient, served: str
+) -> None:
     corpus = chat_requests(served)
     assert len(corpus) >= 50
     for i, body in enumerate(corpus):
@@ -76,8 +100,9 @@ async def test_chat_render_matches_vllm(fleet: Fleet, render_client: TestClient,
             compare(theirs, mine, i)
 
 
-async def test_completion_render_matches_vllm(fleet: Fleet, render_client: TestClient,
-                                              served: str) -> None:  # fmt: skip
+async def test_completion_render_matches_vllm(
+    fleet: Fleet, render_client: TestClient, served: str
+) -> None:
     for i, body in enumerate(completion_requests(served)):
         status, theirs = post(vllm_url(fleet, served) + "/v1/completions/render", body)
         resp = await render_client.post("/v1/completions/render", json=body)
@@ -92,27 +117,57 @@ async def test_completion_render_matches_vllm(fleet: Fleet, render_client: TestC
 
 
 ERROR_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
-    ("/v1/chat/completions/render",
-     {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-    ("/v1/chat/completions/render",
-     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}, 400, "max_tokens"),
-    ("/v1/chat/completions/render",
-     {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, None),
-    ("/v1/chat/completions/render",
-     {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, None),
-    ("/v1/chat/completions/render",
-     {"messages": [{"role": "user", "content": "x"}], "n": 2, "temperature": 0}, 400, None),
+    (
+        "/v1/chat/completions/render",
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        404,
+        "model",
+    ),
+    (
+        "/v1/chat/completions/render",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions/render",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+        400,
+        None,
+    ),
+    (
+        "/v1/chat/completions/render",
+        {"messages": [{"role": "user", "content": "x"}], "tools": []},
+        400,
+        None,
+    ),
+    (
+        "/v1/chat/completions/render",
+        {"messages": [{"role": "user", "content": "x"}], "n": 2, "temperature": 0},
+        400,
+        None,
+    ),
     ("/v1/chat/completions/render", {"messages": []}, 400, None),
     ("/v1/completions/render", {"prompt": "x", "stop": [""]}, 400, None),
-    ("/v1/completions/render", {"prompt": "x", "stream_options": {"include_usage": True}},
-     400, None),
-]  # fmt: skip
+    (
+        "/v1/completions/render",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        None,
+    ),
+]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), ERROR_CASES)
-async def test_errors_match_vllm(fleet: Fleet, render_client: TestClient, served: str,
-                                 path: str, body: dict[str, Any], status: int,
-                                 param: str | None) -> None:  # fmt: skip
+async def test_errors_match_vllm(
+    fleet: Fleet,
+    render_client: TestClient,
+    served: str,
+    path: str,
+    body: dict[str, Any],
+    status: int,
+    param: str | None,
+) -> None:
     their_status, theirs = post(vllm_url(fleet, served) + path, body)
     resp = await render_client.post(path, json=body)
     mine = await resp.json()
