@@ -192,3 +192,26 @@ def generate_role(name: str, model: Path, role: str, cores: str) -> Server:
         vllm_bin=vllm_bin(),
     )
     return Server(name, command(config), port, environment(config, {}))
+
+
+def start_all(started: list[Server], timeout: float) -> None:
+    """Start every server at once (they boot in parallel), then wait for each."""
+    for server in started:
+        server.start()
+    for server in started:
+        server.wait(timeout)
+
+
+def generate_double(name: str, tokens_per_second: float) -> Server:
+    """The benchmark-only fake generate server (`tests.bench.double`)."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.bench.double",
+        "--port",
+        str(port),
+        "--tokens-per-second",
+        str(tokens_per_second),
+    ]
+    return Server(name, argv, port)

@@ -119,10 +119,7 @@ def main() -> None:
     )
     started = [generate, peer, ours]
     try:
-        for s in started:
-            s.start()
-        for s in started:
-            s.wait(300)
+        servers.start_all(started, 300)
         streams = record(generate, peer, args.streams, args.tokens)
         generate.stop()  # the replay needs no engine: free its core
         print(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -64,28 +63,12 @@ def main() -> None:
     args = parser.parse_args()
     model = build("tiny", servers.REPO / "build" / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
-    port = servers.free_port()
-    double = servers.Server(
-        "hop-double",
-        [
-            sys.executable,
-            "-m",
-            "tests.bench.double",
-            "--port",
-            str(port),
-            "--tokens-per-second",
-            str(args.rate),
-        ],
-        port,
-    )
+    double = servers.generate_double("hop-double", args.rate)
     render = servers.tokenline("hop-render", "render", *common)
     derender = servers.tokenline("hop-derender", "derender", *common, "--zmq-port", "0")
     started = [double, render, derender]
     try:
-        for s in started:
-            s.start()
-        for s in started:
-            s.wait(60)
+        servers.start_all(started, 60)
         proxies = {}
         for transport in ("http", "zmq"):
             proxy = servers.tokenline(

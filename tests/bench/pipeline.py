@@ -265,18 +265,11 @@ def _render_all(render_url: str, mix: list[Spec]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _start(all_servers: list[servers.Server]) -> None:
-    for s in all_servers:
-        s.start()
-    for s in all_servers:
-        s.wait(600)
-
-
 def _tokenline(model: Path, decode_url: str) -> list[servers.Server]:
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
     render = servers.tokenline("bench-render", "render", *common, "--workers", "2")
     derender = servers.tokenline("bench-derender", "derender", *common, "--workers", "2")
-    _start([render, derender])
+    servers.start_all([render, derender], 600)
     proxy = servers.tokenline(
         "bench-proxy",
         "proxy",
@@ -287,7 +280,7 @@ def _tokenline(model: Path, decode_url: str) -> list[servers.Server]:
         "--decode",
         decode_url,
     )
-    _start([proxy])
+    servers.start_all([proxy], 600)
     return [proxy, render, derender]
 
 
@@ -301,27 +294,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started: list[servers.Server] = []
     try:
         if args.double:
-            port = servers.free_port()
-            engine = servers.Server(
-                "bench-double",
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.bench.double",
-                    "--port",
-                    str(port),
-                    "--tokens-per-second",
-                    str(args.double_rate),
-                ],
-                port,
-            )
-            _start([engine])
+            engine = servers.generate_double("bench-double", args.double_rate)
+            servers.start_all([engine], 600)
             started.append(engine)
             peers: list[Target] = []
         else:
             engine = servers.tokens_only("bench-engine", model, "tiny")
             mono = servers.oracle("bench-monolithic", model, "tiny")
-            _start([engine, mono])
+            servers.start_all([engine, mono], 600)
             started += [engine, mono]
             peers = [OpenAITarget("monolithic", mono.url)]
         front = _tokenline(model, engine.url)

@@ -72,10 +72,7 @@ def main() -> None:
         }
         peer = servers.vllm_render("bench-vllm-render", Path(model), "tiny")
         started = [*ours.values(), peer]
-        for s in started:
-            s.start()
-        for s in started:
-            s.wait(120)
+        servers.start_all(started, 120)
         mix = request_mix("tiny")
         results: dict[str, Any] = {}
         for c in args.concurrency:

@@ -21,6 +21,20 @@ from services.render.config import RenderConfig
 from tests.fakes.decode import EndlessDecode
 
 
+def proxy_config(
+    render: TestServer, derender: TestServer, engine: TestServer, retry_attempts: int = 3
+) -> ProxyConfig:
+    def url(server: TestServer) -> tuple[str]:
+        return (str(server.make_url("")).rstrip("/"),)
+
+    return ProxyConfig(
+        render_urls=url(render),
+        derender_urls=url(derender),
+        decode_urls=url(engine),
+        retry_attempts=retry_attempts,
+    )
+
+
 async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiny_model: Path) -> None:
     decode = EndlessDecode()
     names = ("tiny",)
@@ -38,11 +52,7 @@ async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiny_model: 
     for server in (render, derender, engine):
         await server.start_server()
     try:
-        config = ProxyConfig(
-            render_urls=(str(render.make_url("")).rstrip("/"),),
-            derender_urls=(str(derender.make_url("")).rstrip("/"),),
-            decode_urls=(str(engine.make_url("")).rstrip("/"),),
-        )
+        config = proxy_config(render, derender, engine)
         client = await aiohttp_client(make_proxy(config))
         resp = await client.post(
             "/v1/chat/completions",
@@ -51,7 +61,6 @@ async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiny_model: 
                 "messages": [{"role": "user", "content": "hi"}],
                 "stream": True,
                 "max_tokens": 1000,
-                "headers": None,
             },
             headers={"X-Request-Id": "abort-me"},
         )
@@ -116,12 +125,7 @@ async def test_failure_after_first_byte_ends_stream_in_band(
     derender = TestServer(proxied)
     await derender.start_server()
     try:
-        config = ProxyConfig(
-            render_urls=(str(render.make_url("")).rstrip("/"),),
-            derender_urls=(str(derender.make_url("")).rstrip("/"),),
-            decode_urls=(str(engine.make_url("")).rstrip("/"),),
-            retry_attempts=1,
-        )
+        config = proxy_config(render, derender, engine, retry_attempts=1)
         client = await aiohttp_client(make_proxy(config))
         resp = await client.post(
             "/v1/chat/completions",
