@@ -346,10 +346,12 @@ class Streamer:
         )
         now = time.perf_counter()
         metrics = self.hops.metrics
+        new_tokens = prog.completion_tokens - prog.emitted_tokens
+        prog.emitted_tokens = prog.completion_tokens
         if self.last_write is None:
             metrics.ttft.observe(now - self.started)
-        elif tokens := prog.completion_tokens:
-            metrics.itl.observe((now - self.last_write) / max(1, tokens))
+        elif new_tokens:
+            metrics.itl.observe((now - self.last_write) / new_tokens)
         self.last_write = now
         await self._write(sse(JSON.encode(chunk)))
 

@@ -305,5 +305,6 @@ class ChoiceProgress:
 
     state: DerenderStreamState | None = None
     completion_tokens: int = 0
+    emitted_tokens: int = 0  # completion_tokens at the last chunk sent (for per-token ITL)
     finished: bool = False
     stopped_early: bool = False  # a stop string ended it before the engine did
