@@ -6,6 +6,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY proxy ./proxy
+COPY launch ./launch
 RUN pip install --no-cache-dir . && useradd --create-home tokenline
 USER tokenline
 ENV HF_HUB_OFFLINE=1

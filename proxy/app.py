@@ -12,15 +12,15 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from proxy.channel import DerenderChannel
-from proxy.config import ProxyConfig
-from proxy.handlers import HOPS, chat_completions, completions
-from proxy.metrics import ProxyMetrics
-from proxy.pipeline import Hops
-from proxy.pool import Pool, Pools, maintained
-from proxy.upstream import Retry
-from shared.errors import Overloaded, Unauthorized
-from shared.http import Handler, error_response, json_response, make_base_app
+from tokenline.proxy.channel import DerenderChannel
+from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.handlers import HOPS, chat_completions, completions
+from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.pipeline import Hops
+from tokenline.proxy.pool import Pool, Pools, maintained
+from tokenline.proxy.upstream import Retry
+from tokenline.shared.errors import Overloaded, Unauthorized
+from tokenline.shared.http import Handler, error_response, json_response, make_base_app
 
 log = logging.getLogger(__name__)
 CONFIG = web.AppKey("proxy_config", ProxyConfig)

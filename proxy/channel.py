@@ -18,11 +18,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from proxy.pool import Pool, Worker
-from proxy.upstream import Retry, rejected_or_failed
-from shared.errors import ServiceError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
-from shared.wire import JSON
-from shared.zmq import MSGPACK, REPLY, Call
+from tokenline.proxy.pool import Pool, Worker
+from tokenline.proxy.upstream import Retry, rejected_or_failed
+from tokenline.shared.errors import (
+    ServiceError,
+    UpstreamRejected,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from tokenline.shared.wire import JSON
+from tokenline.shared.zmq import MSGPACK, REPLY, Call
 
 CALL_TIMEOUT = 30.0
 Kind = Literal["chat", "completion"]

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.pipeline import (
+from tokenline.proxy.pipeline import (
     CHAT,
     COMPLETION,
     ChoiceProgress,
@@ -29,10 +29,10 @@ from proxy.pipeline import (
     queued_chunks,
     retry_id,
 )
-from proxy.upstream import stream_generate
-from shared.errors import ServiceError, UpstreamError, UpstreamRejected
-from shared.http import read_json_body
-from shared.wire import (
+from tokenline.proxy.upstream import stream_generate
+from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
+from tokenline.shared.http import read_json_body
+from tokenline.shared.wire import (
     CHAT_COMPLETION,
     CHAT_REQUEST,
     COMPLETION_REQUEST,
@@ -49,7 +49,7 @@ from shared.wire import (
     GenerateStreamChunk,
     Usage,
 )
-from shared.zmq import MSGPACK
+from tokenline.shared.zmq import MSGPACK
 
 log = logging.getLogger(__name__)
 HOPS = web.AppKey("hops", Hops)

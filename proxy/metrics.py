@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from prometheus_client import Gauge
 
-from shared.metrics import LATENCY_BUCKETS, ServiceMetrics
+from tokenline.shared.metrics import LATENCY_BUCKETS, ServiceMetrics
 
 TOKEN_BUCKETS = (
     0.0001,

@@ -19,12 +19,12 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import msgspec
 
-from proxy.channel import DerenderChannel
-from proxy.metrics import ProxyMetrics
-from proxy.pool import Pools, Worker
-from proxy.upstream import Retry, call_pure, post_generate
-from shared.errors import ServiceError, UpstreamError, UpstreamRejected
-from shared.wire import (
+from tokenline.proxy.channel import DerenderChannel
+from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.pool import Pools, Worker
+from tokenline.proxy.upstream import Retry, call_pure, post_generate
+from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
+from tokenline.shared.wire import (
     GENERATE_CHUNK,
     GENERATE_REQUEST,
     GENERATE_REQUESTS,

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from shared.errors import UpstreamUnavailable
+from tokenline.shared.errors import UpstreamUnavailable
 
 log = logging.getLogger(__name__)
 

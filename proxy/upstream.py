@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from proxy.pool import Pool, Worker
-from shared.errors import (
+from tokenline.proxy.pool import Pool, Worker
+from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
     UpstreamRejected,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from shared.wire import ERROR
+from tokenline.shared.wire import ERROR
 
 RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 

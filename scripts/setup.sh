@@ -34,5 +34,9 @@ fi
   "${PIP[@]}" install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
 "${PIP[@]}" install -e ".[dev]"
+# The installed layout (one import name, `tokenline`) as links, for mypy, which cannot follow
+# setuptools' editable import hook.
+mkdir -p build/src/tokenline
+for dir in proxy services shared launch; do ln -sfn "../../../$dir" "build/src/tokenline/$dir"; done
 "$VENV/bin/vllm" --version >/dev/null
 echo "setup: $VENV ready ($("$VENV/bin/vllm" --version 2>/dev/null | tail -n1))"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from shared.wire import ErrorEnvelope, ErrorInfo
+from tokenline.shared.wire import ErrorEnvelope, ErrorInfo
 
 
 class ServiceError(Exception):

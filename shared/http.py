@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shared.errors import BadRequest, PayloadTooLarge, ServiceError, from_validation
-from shared.wire import JSON
+from tokenline.shared.errors import BadRequest, PayloadTooLarge, ServiceError, from_validation
+from tokenline.shared.wire import JSON
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -9,10 +9,10 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from shared.errors import NotFound
-from shared.http import json_response
-from shared.metrics import ServiceMetrics
-from shared.wire import ModelCard, ModelList
+from tokenline.shared.errors import NotFound
+from tokenline.shared.http import json_response
+from tokenline.shared.metrics import ServiceMetrics
+from tokenline.shared.wire import ModelCard, ModelList
 
 
 class ModelService(msgspec.Struct, frozen=True, kw_only=True):

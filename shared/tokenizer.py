@@ -21,7 +21,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
-from shared.errors import BadRequest
+from tokenline.shared.errors import BadRequest
 
 # OpenAI defaults for the sampling fields a generation config may override (vLLM's order).
 SAMPLING_DEFAULTS: dict[str, float | int] = {

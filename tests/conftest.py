@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.models.build import build
-from shared.tokenizer import ModelTokenizer
-from tests import servers
-from tests.servers import Server
+from tokenline.launch import servers
+from tokenline.launch.models.build import build
+from tokenline.launch.servers import Server
+from tokenline.shared.tokenizer import ModelTokenizer
 
 MODEL_CACHE = Path(os.environ.get("TOKENLINE_MODEL_CACHE", servers.REPO / "build" / "models"))
 

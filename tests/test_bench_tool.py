@@ -9,9 +9,16 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
-from tests.bench import double
-from tests.bench.pipeline import EngineTarget, Spec, closed_loop, markdown, plots, request_mix
+from tokenline.launch.bench import double
+from tokenline.launch.bench.pipeline import (
+    EngineTarget,
+    Spec,
+    closed_loop,
+    markdown,
+    plots,
+    request_mix,
+)
+from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
 
 
 def test_mix_is_seeded_and_varied() -> None:

@@ -13,9 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy.config import ENV
-from services.cli import parser
-from tests.servers import REPO
+from tokenline.launch.cli import parser
+from tokenline.launch.servers import REPO
+from tokenline.proxy.config import ENV
 
 # The Compose specification's JSON schema (compose-spec/compose-spec, Apache-2.0), shipped with
 # the tests so they run offline.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 
-from tests.servers import LOGS, VENV_BIN, free_port
+from tokenline.launch.servers import LOGS, VENV_BIN, free_port
 
 
 def _sessions_alive(sids: set[int]) -> list[int]:

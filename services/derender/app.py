@@ -12,20 +12,20 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import Counter
 
-from services.derender.bounds import DerenderSettings
-from services.derender.channel import channel_ctx, endpoint
-from services.derender.config import DerenderConfig
-from services.derender.derender import (
+from tokenline.services.derender.bounds import DerenderSettings
+from tokenline.services.derender.channel import channel_ctx, endpoint
+from tokenline.services.derender.config import DerenderConfig
+from tokenline.services.derender.derender import (
     derender_chat,
     derender_chat_stream,
     derender_completion,
     derender_completion_stream,
 )
-from shared.http import json_response, make_base_app, read_json_body
-from shared.metrics import ServiceMetrics
-from shared.served import add_service_routes
-from shared.tokenizer import ModelTokenizer
-from shared.wire import (
+from tokenline.shared.http import json_response, make_base_app, read_json_body
+from tokenline.shared.metrics import ServiceMetrics
+from tokenline.shared.served import add_service_routes
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
     DERENDER_CHAT,
     DERENDER_CHAT_BATCH,
     DERENDER_COMPLETION,

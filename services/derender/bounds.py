@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.errors import BadRequest
-from shared.served import served_name
-from shared.tokenizer import ModelTokenizer
-from shared.wire import GenerateChoice, GenerateResponse, GenerateStreamChoice
+from tokenline.shared.errors import BadRequest
+from tokenline.shared.served import served_name
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import GenerateChoice, GenerateResponse, GenerateStreamChoice
 
 Choice = GenerateChoice | GenerateStreamChoice
 

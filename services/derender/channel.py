@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from shared.errors import ServiceError, from_validation
-from shared.wire import DerenderChatRequest, DerenderCompletionRequest
-from shared.zmq import CALL, MSGPACK, Call, Reply
+from tokenline.shared.errors import ServiceError, from_validation
+from tokenline.shared.wire import DerenderChatRequest, DerenderCompletionRequest
+from tokenline.shared.zmq import CALL, MSGPACK, Call, Reply
 
 log = logging.getLogger(__name__)
 REQUEST: dict[str, msgspec.msgpack.Decoder[Any]] = {

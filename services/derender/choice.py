@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.derender.detok import Detokenizer, DetokState, seed
-from services.derender.stops import StopChecker, StopState
-from shared.errors import InvalidStreamState
-from shared.tokenizer import ModelTokenizer
-from shared.wire import (
+from tokenline.services.derender.detok import Detokenizer, DetokState, seed
+from tokenline.services.derender.stops import StopChecker, StopState
+from tokenline.shared.errors import InvalidStreamState
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     DerenderStreamState,

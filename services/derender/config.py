@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.served import ModelService, add_model_arguments, model_fields
+from tokenline.shared.served import ModelService, add_model_arguments, model_fields
 
 
 class DerenderConfig(ModelService, frozen=True, kw_only=True):

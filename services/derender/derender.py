@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from services.derender.bounds import (
+from tokenline.services.derender.bounds import (
     Choice,
     DerenderSettings,
     check_choice,
@@ -17,11 +17,16 @@ from services.derender.bounds import (
     check_response,
     model_name,
 )
-from services.derender.choice import ChoiceDecoder, ChoiceOptions, ChoiceOutput, ChoiceState
-from services.derender.logprobs import LogprobResolver
-from shared.errors import BadRequest
-from shared.tokenizer import ModelTokenizer
-from shared.wire import (
+from tokenline.services.derender.choice import (
+    ChoiceDecoder,
+    ChoiceOptions,
+    ChoiceOutput,
+    ChoiceState,
+)
+from tokenline.services.derender.logprobs import LogprobResolver
+from tokenline.shared.errors import BadRequest
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,

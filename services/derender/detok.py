@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.tokenizer import ModelTokenizer
+from tokenline.shared.tokenizer import ModelTokenizer
 
 PROMPT_SEED = 6  # prompt IDs kept as context; enough for any UTF-8 sequence and a space marker
 MAX_WINDOW = 64  # a window this long means garbage bytes: emit rather than grow without bound

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.tokenizer import ModelTokenizer
-from shared.wire import (
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
     ChatLogprob,
     CompletionLogprobs,
     GenerateLogProb,

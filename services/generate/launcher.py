@@ -25,7 +25,7 @@ from typing import Literal
 import msgspec
 
 Role = Literal["both", "prefill", "decode"]
-SHIM_MODULE = "services.generate.nixl_shim"
+SHIM_MODULE = "tokenline.services.generate.nixl_shim"
 
 
 class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):

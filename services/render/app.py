@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
-from services.render import worker
-from services.render.config import RenderConfig
-from services.render.render import RenderSettings
-from shared.http import make_base_app, read_json_body
-from shared.metrics import ServiceMetrics
-from shared.served import add_service_routes
-from shared.tokenizer import ModelTokenizer
+from tokenline.services.render import worker
+from tokenline.services.render.config import RenderConfig
+from tokenline.services.render.render import RenderSettings
+from tokenline.shared.http import make_base_app, read_json_body
+from tokenline.shared.metrics import ServiceMetrics
+from tokenline.shared.served import add_service_routes
+from tokenline.shared.tokenizer import ModelTokenizer
 
 RenderFn = Callable[[bytes, str | None], worker.Rendered]
 

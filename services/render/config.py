@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
-from shared.served import ModelService, add_model_arguments, model_fields
+from tokenline.shared.served import ModelService, add_model_arguments, model_fields
 
 
 class RenderConfig(ModelService, frozen=True, kw_only=True):

@@ -15,16 +15,16 @@ from typing import Any
 import jinja2
 import msgspec
 
-from services.render.sampling import (
+from tokenline.services.render.sampling import (
     MAX_LOGPROBS,
     check_token_ids,
     max_tokens_for,
     sampling_params,
 )
-from shared.errors import BadRequest
-from shared.served import served_name
-from shared.tokenizer import ModelTokenizer
-from shared.wire import (
+from tokenline.shared.errors import BadRequest
+from tokenline.shared.served import served_name
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

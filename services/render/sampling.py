@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.errors import BadRequest
-from shared.tokenizer import SAMPLING_DEFAULTS, ModelTokenizer
-from shared.wire import ChatCompletionRequest, CompletionRequest, SamplingParams
+from tokenline.shared.errors import BadRequest
+from tokenline.shared.tokenizer import SAMPLING_DEFAULTS, ModelTokenizer
+from tokenline.shared.wire import ChatCompletionRequest, CompletionRequest, SamplingParams
 
 OUTPUT_DELTA, OUTPUT_FINAL_ONLY = 1, 2
 MAX_LOGPROBS = 20

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.render.render import RenderSettings, render_chat, render_completion
-from shared.tokenizer import ModelTokenizer
-from shared.wire import CHAT_REQUEST, COMPLETION_REQUEST, JSON
+from tokenline.services.render.render import RenderSettings, render_chat, render_completion
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import CHAT_REQUEST, COMPLETION_REQUEST, JSON
 
 
 @dataclass

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import servers
 from tests.conftest import Fleet
-from tests.http import get
-from tests.servers import Server
+from tokenline.launch import servers
+from tokenline.launch.bench.http import get
+from tokenline.launch.servers import Server
 
 SERVED = ("--served-model-name", "tiny", "--max-model-len", "2048")
 

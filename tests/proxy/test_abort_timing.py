@@ -12,13 +12,13 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.app import make_app as make_proxy
-from proxy.config import ProxyConfig
-from services.derender.app import make_app as make_derender
-from services.derender.config import DerenderConfig
-from services.render.app import make_app as make_render
-from services.render.config import RenderConfig
 from tests.fakes.decode import EndlessDecode
+from tokenline.proxy.app import make_app as make_proxy
+from tokenline.proxy.config import ProxyConfig
+from tokenline.services.derender.app import make_app as make_derender
+from tokenline.services.derender.config import DerenderConfig
+from tokenline.services.render.app import make_app as make_render
+from tokenline.services.render.config import RenderConfig
 
 
 def proxy_config(

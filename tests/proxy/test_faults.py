@@ -12,10 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import servers
 from tests.conftest import Fleet
-from tests.corpus import stop_from
-from tests.http import get, post, post_raw
 from tests.proxy.conftest import (
     Pipeline,
     engine_metric,
@@ -23,6 +20,9 @@ from tests.proxy.conftest import (
     start_pipeline,
     wait_for,
 )
+from tokenline.launch import servers
+from tokenline.launch.bench.corpus import stop_from
+from tokenline.launch.bench.http import get, post, post_raw
 
 LONG = {
     "model": "tiny",

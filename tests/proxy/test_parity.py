@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from tests.conftest import Fleet
-from tests.corpus import TEXTS, stop_from
 from tests.proxy.conftest import Pipeline
+from tokenline.launch.bench.corpus import TEXTS, stop_from
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -10,8 +10,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from proxy.pool import Pool, Worker, expand, least_in_flight
-from shared.errors import UpstreamUnavailable
+from tokenline.proxy.pool import Pool, Worker, expand, least_in_flight
+from tokenline.shared.errors import UpstreamUnavailable
 
 
 async def test_a_name_with_several_addresses_is_several_replicas() -> None:

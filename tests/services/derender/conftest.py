@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import servers
-from tests.servers import Server
+from tokenline.launch import servers
+from tokenline.launch.servers import Server
 
 
 def _derender(name: str, model: Path, served: str) -> Iterator[Server]:

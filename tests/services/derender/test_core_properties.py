@@ -17,15 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers.decoders import DecodeStream
 
-from services.derender.bounds import DerenderSettings
-from services.derender.derender import (
+from tokenline.services.derender.bounds import DerenderSettings
+from tokenline.services.derender.derender import (
     derender_chat,
     derender_chat_stream,
     derender_completion,
     derender_completion_stream,
 )
-from shared.tokenizer import ModelTokenizer
-from shared.wire import (
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
     DERENDER_CHAT,
     DERENDER_COMPLETION,
     JSON,

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import Fleet
-from tests.corpus import TEXTS
-from tests.http import get, post, post_raw, sse_payloads
-from tests.servers import Server
+from tokenline.launch.bench.corpus import TEXTS
+from tokenline.launch.bench.http import get, post, post_raw, sse_payloads
+from tokenline.launch.servers import Server
 
 CHAT = {
     "model": "tiny",

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import Fleet
-from tests.corpus import TEXTS, stop_from
-from tests.http import post, post_raw, sse_payloads
-from tests.servers import Server
+from tokenline.launch.bench.corpus import TEXTS, stop_from
+from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.servers import Server
 
 CHAT_CASES: list[dict[str, Any]] = [
     {"temperature": 0, "max_tokens": 24},

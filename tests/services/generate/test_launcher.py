@@ -8,10 +8,15 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.generate.launcher import GenerateConfig, command, environment, kv_transfer_config
-from tests.http import post
-from tests.servers import VENV_BIN, free_port
 from tests.test_up import _sessions_alive
+from tokenline.launch.bench.http import post
+from tokenline.launch.servers import VENV_BIN, free_port
+from tokenline.services.generate.launcher import (
+    GenerateConfig,
+    command,
+    environment,
+    kv_transfer_config,
+)
 
 
 def test_roles_get_their_connector_settings() -> None:
@@ -20,7 +25,7 @@ def test_roles_get_their_connector_settings() -> None:
     prefill = GenerateConfig(model="m", role="prefill", cpu_cores="0", nixl_port=5601)
     kv = json.loads(kv_transfer_config(prefill) or "{}")
     assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == "kv_producer"
-    assert kv["kv_connector_module_path"] == "services.generate.nixl_shim"
+    assert kv["kv_connector_module_path"] == "tokenline.services.generate.nixl_shim"
     env = environment(prefill, {})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"

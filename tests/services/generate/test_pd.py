@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from tests import servers
 from tests.conftest import Fleet
-from tests.http import post, post_raw
 from tests.proxy.conftest import Pipeline, engine_metric, start_pipeline
-from tests.servers import Server
+from tokenline.launch import servers
+from tokenline.launch.bench.http import post, post_raw
+from tokenline.launch.servers import Server
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
 PREFILL_LEG = {

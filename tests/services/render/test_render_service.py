@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import servers
-from tests.corpus import TEXTS
-from tests.http import get, post
-from tests.servers import Server
+from tokenline.launch import servers
+from tokenline.launch.bench.corpus import TEXTS
+from tokenline.launch.bench.http import get, post
+from tokenline.launch.servers import Server
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,10 @@ def test_health_answers_under_full_load(render_server: Server) -> None:
     assert health == [200] * 20
 
 
-@pytest.mark.parametrize("module", ["services.render.app", "services.derender.app", "proxy.app"])
+@pytest.mark.parametrize(
+    "module",
+    ["tokenline.services.render.app", "tokenline.services.derender.app", "tokenline.proxy.app"],
+)
 def test_front_tiers_never_import_torch_or_vllm(module: str) -> None:
     code = (
         f"import sys, {module}; bad = [m for m in ('torch', 'vllm', 'transformers') "

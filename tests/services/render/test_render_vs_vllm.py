@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from services.render.app import make_app
-from services.render.config import RenderConfig
-from shared.wire import SamplingParams
 from tests.conftest import Fleet
-from tests.corpus import chat_requests, completion_requests
-from tests.http import post
+from tokenline.launch.bench.corpus import chat_requests, completion_requests
+from tokenline.launch.bench.http import post
+from tokenline.services.render.app import make_app
+from tokenline.services.render.config import RenderConfig
+from tokenline.shared.wire import SamplingParams
 
 # vLLM serializes SamplingParams without its defaults, and its max_tokens default is 16.
 DEFAULTS = {f: getattr(SamplingParams(max_tokens=16), f) for f in SamplingParams.__struct_fields__}

@@ -4,7 +4,7 @@ persistent ZMQ channel (msgpack frames), same proxy code, same load, same run.
 A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
 proxy + derender process CPU seconds (from /proc) divided by the tokens delivered.
 
-    .venv/bin/python -m tests.bench.hop [--streams 64] [--tokens 256] [--concurrency 8]
+    .venv/bin/python -m tokenline.launch.bench.hop [--streams 64] [--tokens 256] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
-from shared.models.build import build
-from tests import servers
+from tokenline.launch import servers
+from tokenline.launch.models.build import build
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from shared.models.corpus import corpus
+from tokenline.launch.models.corpus import corpus
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # The 26 added tokens of the Qwen2.5/Qwen3 vocabulary, at ids 151643..151668, in order.
@@ -77,7 +77,7 @@ ATTN_STD = 0.15
 
 
 def chat_template() -> str:
-    return resources.files("shared.models").joinpath("chat_template.jinja").read_text()
+    return resources.files("tokenline.launch.models").joinpath("chat_template.jinja").read_text()
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -1,7 +1,7 @@
 """Render benchmark: tokenline's render (worker processes, and threads) against vLLM's render
 server (`vllm launch render`), same model, same request mix, several concurrencies.
 
-    .venv/bin/python -m tests.bench.render [--duration 10] [--concurrency 1 4 16 64]
+    .venv/bin/python -m tokenline.launch.bench.render [--duration 10] [--concurrency 1 4 16 64]
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 
 import aiohttp
 
-from shared.models.build import build
-from tests import servers
-from tests.bench.common import Result, closed_loop, report
-from tests.corpus import chat_requests, completion_requests
+from tokenline.launch import servers
+from tokenline.launch.bench.common import Result, closed_loop, report
+from tokenline.launch.bench.corpus import chat_requests, completion_requests
+from tokenline.launch.models.build import build
 
 
 def request_mix(model: str) -> list[tuple[str, bytes]]:
@@ -74,7 +74,7 @@ def main() -> None:
         started = [*ours.values(), peer]
         servers.start_all(started, 120)
         mix = request_mix("tiny")
-        results: dict[str, Any] = {}
+        results: dict[tuple[str, int], Any] = {}
         for c in args.concurrency:
             for label, server in (
                 ("processes", ours["process"]),

@@ -26,9 +26,9 @@ from typing import Any
 
 import aiohttp
 
-from shared.models.build import build
-from tests import servers
-from tests.corpus import TEXTS
+from tokenline.launch import servers
+from tokenline.launch.bench.corpus import TEXTS
+from tokenline.launch.models.build import build
 
 ENGINE_ARGS = servers.ENGINE_ARGS
 
@@ -254,7 +254,7 @@ def _progress(label: str, deadline: float, duration: float, done: int) -> None:
 
 
 def _render_all(render_url: str, mix: list[Spec]) -> dict[int, dict[str, Any]]:
-    from tests.http import post
+    from tokenline.launch.bench.http import post
 
     out = {}
     for spec in mix:

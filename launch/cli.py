@@ -13,9 +13,9 @@ from pathlib import Path
 
 
 def _render(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.render.app import make_app
-    from services.render.config import from_args
-    from shared.http import run
+    from tokenline.services.render.app import make_app
+    from tokenline.services.render.config import from_args
+    from tokenline.shared.http import run
 
     config = from_args(args)
     run(make_app(config), config.host, config.port)
@@ -25,9 +25,9 @@ def _render(args: argparse.Namespace, extra: list[str]) -> int:
 def _derender(args: argparse.Namespace, extra: list[str]) -> int:
     import functools
 
-    from services.derender.app import make_app
-    from services.derender.config import from_args
-    from shared.http import run_processes
+    from tokenline.services.derender.app import make_app
+    from tokenline.services.derender.config import from_args
+    from tokenline.shared.http import run_processes
 
     config = from_args(args)
     run_processes(functools.partial(make_app, config), config.host, config.port, config.workers)
@@ -35,9 +35,9 @@ def _derender(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
-    from proxy.app import make_app
-    from proxy.config import from_args
-    from shared.http import run
+    from tokenline.proxy.app import make_app
+    from tokenline.proxy.config import from_args
+    from tokenline.shared.http import run
 
     config = from_args(args)
     run(make_app(config), config.host, config.port)
@@ -45,13 +45,13 @@ def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.generate.launcher import from_args, run
+    from tokenline.services.generate.launcher import from_args, run
 
     return run(from_args(args, extra))
 
 
 def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
-    from shared.models.build import build
+    from tokenline.launch.models.build import build
 
     print(build(args.name, Path(args.dir)))
     return 0
@@ -64,23 +64,23 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     if not (root / "tests" / "bench" / "pipeline.py").exists():
         raise SystemExit("tokenline bench runs from a source checkout (tests/bench/)")
     sys.path.insert(0, str(root))
-    bench = importlib.import_module("tests.bench.pipeline")
+    bench = importlib.import_module("tokenline.launch.bench.pipeline")
     return int(bench.main(extra))
 
 
 def _up(args: argparse.Namespace, extra: list[str]) -> int:
-    from services.up import run_up
+    from tokenline.launch.up import run_up
 
     return run_up(args)
 
 
 def parser() -> argparse.ArgumentParser:
-    from proxy.config import add_arguments as proxy_args
-    from services.derender.config import add_arguments as derender_args
-    from services.generate.launcher import add_arguments as generate_args
-    from services.render.config import add_arguments as render_args
-    from services.up import add_arguments as up_args
-    from shared.models.build import MODELS
+    from tokenline.launch.models.build import MODELS
+    from tokenline.launch.up import add_arguments as up_args
+    from tokenline.proxy.config import add_arguments as proxy_args
+    from tokenline.services.derender.config import add_arguments as derender_args
+    from tokenline.services.generate.launcher import add_arguments as generate_args
+    from tokenline.services.render.config import add_arguments as render_args
 
     top = argparse.ArgumentParser(prog="tokenline", description=__doc__)
     sub = top.add_subparsers(dest="command", required=True)

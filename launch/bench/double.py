@@ -2,7 +2,7 @@
 
 For benchmarks only (isolating the front end's own cost); tests of behavior use real vLLM.
 
-    .venv/bin/python -m tests.bench.double --port 8299 --vocab 4096 --tokens-per-second 2000
+    python -m tokenline.launch.bench.double --port 8299 --vocab 4096 --tokens-per-second 2000
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 LOGS = REPO / "build" / "test-logs"
@@ -177,16 +179,14 @@ def tokenline(name: str, *args: str) -> Server:
     return Server(name, argv, port)
 
 
-def generate_role(name: str, model: Path, role: str, cores: str) -> Server:
+def generate_role(name: str, model: Path, role: Role, cores: str) -> Server:
     """A tokens-only vLLM for a P/D role, launched with the settings `tokenline generate` uses."""
-    from services.generate.launcher import GenerateConfig, command, environment
-
     port = free_port()
     config = GenerateConfig(
         model=str(model),
         role=role,
         port=port,
-        served_model_name="tiny",  # type: ignore[arg-type]
+        served_model_name="tiny",
         cpu_cores=cores,
         nixl_port=free_port(),
         vllm_bin=vllm_bin(),
@@ -203,12 +203,12 @@ def start_all(started: list[Server], timeout: float) -> None:
 
 
 def generate_double(name: str, tokens_per_second: float) -> Server:
-    """The benchmark-only fake generate server (`tests.bench.double`)."""
+    """The benchmark-only fake generate server (`tokenline.launch.bench.double`)."""
     port = free_port()
     argv = [
         sys.executable,
         "-m",
-        "tests.bench.double",
+        "tokenline.launch.bench.double",
         "--port",
         str(port),
         "--tokens-per-second",

@@ -2,7 +2,7 @@
 through vLLM's streaming derender (`vllm launch render`), chunk by chunk with the stream state
 carried, at several concurrencies.
 
-    .venv/bin/python -m tests.bench.derender [--duration 10] [--concurrency 1 4 16 64]
+    .venv/bin/python -m tokenline.launch.bench.derender [--duration 10] [--concurrency 1 4 16 64]
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from shared.models.build import build
-from tests import servers
-from tests.bench.common import Result
-from tests.corpus import TEXTS
-from tests.http import post, post_raw, sse_payloads
+from tokenline.launch import servers
+from tokenline.launch.bench.common import Result
+from tokenline.launch.bench.corpus import TEXTS
+from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.models.build import build
 
 # msgspec keeps the load generator's own JSON cost small (it shares the 2 cores with the servers)
 ENCODE = msgspec.json.Encoder().encode

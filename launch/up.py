@@ -21,8 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.generate.launcher import GenerateConfig, Role, command, environment
-from shared.models.build import build
+from tokenline.launch.models.build import build
+from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenline"
 
@@ -87,7 +87,7 @@ class Service:
 
 
 def _tokenline(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "tokenline.launch.cli", *args]
 
 
 def plan(args: argparse.Namespace, model: Path, served: str) -> tuple[list[Service], Service]:
