@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from tokenline.proxy.channel import DerenderChannel
+from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.handlers import HOPS, chat_completions, completions
+from tokenline.proxy.hops import Hops
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pipeline import Hops
 from tokenline.proxy.pool import Pool, Pools, maintained
-from tokenline.proxy.upstream import Retry
+from tokenline.proxy.retry import RetryPolicy
+from tokenline.proxy.routes import HOPS, chat_completions, completions
+from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.shared.errors import Overloaded, Unauthorized
 from tokenline.shared.http import Handler, error_response, json_response, make_base_app
 
@@ -38,6 +39,21 @@ def pools_of(config: ProxyConfig) -> Pools:
     )
 
 
+def derender_transport(
+    config: ProxyConfig,
+    session: aiohttp.ClientSession,
+    pool: Pool,
+    policy: RetryPolicy,
+    metrics: ProxyMetrics,
+) -> DerenderTransport:
+    kinds: dict[str, type[HttpDerender]] = {
+        "http": HttpDerender,
+        "zmq": ZmqDerender,
+        "batched": BatchedDerender,
+    }
+    return kinds[config.derender_transport](session, pool, policy, metrics)
+
+
 async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
@@ -47,19 +63,16 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
         for pool in pools.all():
             await pool.resolve()
             metrics.track_pool(pool.role, pool.in_flight)
-        channel = DerenderChannel(session) if config.derender_transport == "zmq" else None
-        hops = Hops(
-            session, pools, Retry(config.retry_attempts, config.retry_timeout), metrics, channel
-        )
+        policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
+        derender = derender_transport(config, session, pools.derender, policy, metrics)
+        hops = Hops(session, pools, policy, metrics, derender)
         app[HOPS] = hops
         try:
             async with maintained(pools, session, config.health_interval, config.resolve_interval):
                 yield
         finally:
-            if channel is not None:
-                await channel.close()
-        for task in list(hops.background):  # pending aborts get a moment to go out
-            await asyncio.wait([task], timeout=1)
+            await derender.close()
+            await hops.settle()
 
 
 def auth_middleware(api_key: str | None) -> object:

@@ -1,18 +1,15 @@
-"""Calls to the hops, with foreign errors translated once, here.
+"""HTTP calls to a replica, with foreign errors translated once, here.
 
-`call_pure` is for render and derender, which are pure: a connection failure, a 5xx, a 408 or a
-429 is retried on another replica (bounded attempts and time, jittered backoff). Generate calls
-are not retried once the request may have reached an engine.
+Every hop's HTTP goes through `post` (a whole answer) or `stream_payloads` (an SSE stream);
+aiohttp's and asyncio's exceptions become ours naming the hop and the replica, and an error
+answer becomes `UpstreamRejected` (a 4xx that is the request's own fault, which the client gets
+as it is) or `UpstreamError` (the replica failed).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import random
-import time
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -28,14 +25,7 @@ from tokenline.shared.errors import (
 from tokenline.shared.wire import ERROR
 
 RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def backoff(
-    attempt: int, *, base: float = 0.05, cap: float = 1.0, rng: random.Random | None = None
-) -> float:
-    """Seconds to wait before retry `attempt` (0-based): exponential, capped, jittered."""
-    jitter = (rng or random).random()
-    return float(min(cap, base * 2**attempt) * (0.5 + jitter))
+GENERATE_PATH = "/inference/v1/generate"
 
 
 @contextlib.contextmanager
@@ -54,6 +44,7 @@ def translated(role: str, worker: Worker) -> Iterator[None]:
 
 
 def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> ServiceError:
+    """An error answer as ours: the request's fault (4xx with an envelope) or the replica's."""
     try:
         envelope = ERROR.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -64,43 +55,7 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
     return UpstreamError(f"{role} {worker.url} answered {status}: {envelope.error.message}")
 
 
-@dataclass
-class Retry:
-    attempts: int = 3
-    timeout: float = 10.0
-    sleep: bool = True  # tests switch sleeping off
-
-
-async def call_pure(
-    session: aiohttp.ClientSession,
-    pool: Pool,
-    path: str,
-    body: bytes,
-    headers: Mapping[str, str],
-    retry: Retry,
-) -> bytes:
-    """POST `body` to a pure hop; another replica on retryable failures."""
-    deadline = time.monotonic() + retry.timeout
-    tried: list[Worker] = []
-    last: ServiceError = UpstreamUnavailable(f"no {pool.role} replica answered")
-    for attempt in range(retry.attempts):
-        worker = pool.choose(exclude=tried)
-        tried.append(worker)
-        try:
-            return await _post_once(session, pool, worker, path, body, headers)
-        except UpstreamRejected:
-            raise
-        except ServiceError as exc:
-            last = exc
-            pool.mark_down(worker, exc.message)
-        if time.monotonic() >= deadline:
-            break
-        if retry.sleep:
-            await asyncio.sleep(backoff(attempt))
-    raise last
-
-
-async def _post_once(
+async def post(
     session: aiohttp.ClientSession,
     pool: Pool,
     worker: Worker,
@@ -108,6 +63,7 @@ async def _post_once(
     body: bytes,
     headers: Mapping[str, str],
 ) -> bytes:
+    """POST `body` to `worker` and return the answer; error answers raise."""
     with pool.lease(worker), translated(pool.role, worker):
         async with session.post(worker.url + path, data=body, headers=headers) as resp:
             data = await resp.read()
@@ -116,18 +72,7 @@ async def _post_once(
             return data
 
 
-async def post_generate(
-    session: aiohttp.ClientSession,
-    pool: Pool,
-    worker: Worker,
-    body: bytes,
-    headers: Mapping[str, str],
-) -> bytes:
-    """A whole (non-streaming) generate call on `worker`."""
-    return await _post_once(session, pool, worker, "/inference/v1/generate", body, headers)
-
-
-async def stream_generate(
+async def stream_payloads(
     session: aiohttp.ClientSession,
     pool: Pool,
     worker: Worker,
@@ -137,9 +82,7 @@ async def stream_generate(
     """The SSE `data:` payloads of a streaming generate call. Leaving early closes the
     connection, which aborts the request in vLLM."""
     with pool.lease(worker), translated(pool.role, worker):
-        async with session.post(
-            worker.url + "/inference/v1/generate", data=body, headers=headers
-        ) as resp:
+        async with session.post(worker.url + GENERATE_PATH, data=body, headers=headers) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
             async for line in resp.content:

@@ -12,15 +12,23 @@
     │   └── UpstreamUnavailable  503 ServiceUnavailableError  (no healthy replica / unreachable)
     └── UpstreamTimeout          504 GatewayTimeout
 
-Raise anywhere; `errors_middleware` (shared/http.py) turns these, and msgspec's decode and
-validation errors, into vLLM's envelope `{"error": {"message", "type", "param", "code"}}`.
+Raise anywhere. `as_service_error` is the one place any exception becomes one of these (msgspec's
+decode and validation errors are the client's 400, aiohttp's HTTP exceptions keep their status,
+anything else is a logged 500); the HTTP middleware, in-band SSE errors and the ZMQ channel all
+answer with its `to_wire()`, vLLM's envelope `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
+import msgspec
+from aiohttp.web_exceptions import HTTPException
+
 from tokenline.shared.wire import ErrorEnvelope, ErrorInfo
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -103,3 +111,21 @@ def from_validation(exc: Exception) -> BadRequest:
     text = str(exc)
     found = _PATH.search(text)
     return BadRequest(text, param=found.group(1) if found else None)
+
+
+def as_service_error(exc: BaseException) -> ServiceError:
+    """Any exception as the error a client should see: ours as they are, msgspec's as a 400
+    naming the field, aiohttp's HTTP exceptions with their status, anything else a 500 that is
+    logged whole (a bug, never the client's fault, never a reason to stop serving)."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
+        return from_validation(exc)
+    if isinstance(exc, HTTPException) and exc.status >= 400:
+        if exc.status == 413:
+            return PayloadTooLarge(exc.text or "request body too large")
+        err = ServiceError(exc.reason)
+        err.status, err.kind = exc.status, exc.reason.replace(" ", "")
+        return err
+    log.error("unexpected.error %r", exc, exc_info=exc)
+    return ServiceError("Internal server error")

@@ -11,10 +11,9 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
-from tokenline.shared.errors import BadRequest, PayloadTooLarge, ServiceError, from_validation
+from tokenline.shared.errors import BadRequest, ServiceError, as_service_error
 from tokenline.shared.wire import JSON
 
 log = logging.getLogger(__name__)
@@ -32,31 +31,18 @@ def error_response(exc: ServiceError) -> web.Response:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place where errors become HTTP: ServiceError and msgspec errors -> envelope."""
+    """The one place where errors become HTTP responses (see `as_service_error`)."""
     try:
         return await handler(request)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return error_response(from_validation(exc))
-    except ServiceError as exc:
-        if exc.status >= 500:
-            log.warning("request.failed %s %s: %s", request.method, request.path, exc.message)
-        return error_response(exc)
     except web.HTTPException as exc:
-        if exc.status == 413:
-            return error_response(PayloadTooLarge(exc.text or "request body too large"))
         if exc.status < 400:
             raise
-        return error_response(_http_error(exc))
-    except Exception:
-        # A bug, not the client's fault: log it whole, answer in the envelope, keep serving.
-        log.exception("request.crashed %s %s", request.method, request.path)
-        return error_response(ServiceError("Internal server error"))
-
-
-def _http_error(exc: web.HTTPException) -> ServiceError:
-    err = ServiceError(exc.reason)
-    err.status, err.kind = exc.status, exc.reason.replace(" ", "")
-    return err
+        return error_response(as_service_error(exc))
+    except Exception as exc:
+        err = as_service_error(exc)
+        if err.status >= 500:
+            log.warning("request.failed %s %s: %s", request.method, request.path, err.message)
+        return error_response(err)
 
 
 async def read_json_body(request: web.Request) -> bytes:

@@ -3,6 +3,8 @@ mid-stream, a dead decode replica is a clear error, bad IDs never reach the engi
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import json
 import signal
 import socket
@@ -203,25 +205,36 @@ def _assembled(raw: bytes) -> dict[str, object]:
     return {"text": text, "logprobs": logprobs, "finish": finish, "usage": usage}
 
 
-def test_zmq_derender_channel_gives_the_same_answers(
-    fleet: Fleet, pipeline: Pipeline, tiny_model: Path
+@pytest.mark.parametrize(
+    ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
+)
+def test_every_derender_transport_gives_the_same_answers(
+    fleet: Fleet, pipeline: Pipeline, tiny_model: Path, transport: str, derender_args: tuple[str, ...]
 ) -> None:
-    """The persistent ZMQ channel (msgpack frames) is an alternative hop, not another behavior."""
-    zmq_pipeline = start_pipeline(
-        "zmq",
+    """The ZMQ channel (msgpack frames) and cross-stream batching are other hops, not another
+    behavior: the same streams as over vLLM's HTTP derender routes, two derender replicas."""
+    other = start_pipeline(
+        transport,
         tiny_model,
         [fleet.generate.url],
-        extra=("--derender-transport", "zmq"),
-        derender_args=("--zmq-port", "0"),
+        derenders=2,
+        extra=("--derender-transport", transport),
+        derender_args=derender_args,
     )
+    bodies = [
+        {**LONG, "max_tokens": 20, "logprobs": True, "top_logprobs": 2},
+        {**LONG, "max_tokens": 20, "stop": ["zz"], "stream_options": {"include_usage": True}},
+        {**LONG, "max_tokens": 12, "n": 2, "stream_options": {"include_usage": True}},
+    ]
     try:
-        for body in (
-            {**LONG, "max_tokens": 20, "logprobs": True, "top_logprobs": 2},
-            {**LONG, "max_tokens": 20, "stop": ["zz"], "stream_options": {"include_usage": True}},
-        ):
+        for body in bodies:
             expected = _assembled(post_raw(pipeline.proxy.url + "/v1/chat/completions", body))
-            got = _assembled(post_raw(zmq_pipeline.proxy.url + "/v1/chat/completions", body))
+            got = _assembled(post_raw(other.proxy.url + "/v1/chat/completions", body))
             assert got == expected and expected["text"]
+        with ThreadPoolExecutor(8) as pool:  # concurrent streams share batches
+            urls = [other.proxy.url + "/v1/chat/completions"] * 8
+            results = list(pool.map(lambda u: _assembled(post_raw(u, bodies[0])), urls))
+        assert all(r == results[0] for r in results)
     finally:
-        for s in zmq_pipeline.all():
+        for s in other.all():
             s.stop()

@@ -1,0 +1,331 @@
+"""The proxy's request flow as pure functions and state (sans-IO: no sockets, no event loop).
+
+What the proxy asks of each hop and what it makes of the answers lives here: the engine request
+built from render's output (and the P/D prefill leg's variant of it), the derender call for each
+generate chunk, the bookkeeping of every choice of a stream (derender's state, whether it ended,
+whether a stop string ended it early so the engine must be aborted), the client chunk with its
+index remapped across prompts and `n`, usage, and the token counts behind the ITL metric.
+`proxy/stream.py` drives it with real hops; tests drive it with plain values.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokenline.shared.errors import UpstreamError
+from tokenline.shared.kinds import COMPLETION, Kind
+from tokenline.shared.limits import MAX_LOGPROBS
+from tokenline.shared.wire import (
+    GENERATE_CHUNK,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    CompletionChunk,
+    CompletionRequest,
+    DerenderStreamState,
+    GenerateLogProbs,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamChoice,
+    GenerateStreamChunk,
+    Usage,
+)
+
+ClientRequest = ChatCompletionRequest | CompletionRequest
+ClientChunk = ChatCompletionChunk | CompletionChunk
+StreamAnswer = Any  # DerenderChatStreamResponse | DerenderCompletionStreamResponse (same shape)
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# --------------------------------------------------------------------------- engine requests
+
+
+def engine_request(
+    gen: GenerateRequest, kind: Kind, stream: bool, kv: dict[str, Any] | None
+) -> GenerateRequest:
+    """The render output as a tokenizer-less engine must see it.
+
+    Stop strings are derender's job (a tokens-only vLLM refuses them). Completions ask the
+    engine for one more logprob than the client: vLLM 0.32 cuts candidates to `logprobs`, and
+    monolithic vLLM shows the sampled token besides the top `logprobs` (derender filters by rank).
+    """
+    params = gen.sampling_params
+    changes: dict[str, Any] = {"stop": None, "include_stop_str_in_output": False}
+    if kind is COMPLETION and params.logprobs is not None and params.logprobs >= 0:
+        changes["logprobs"] = min(params.logprobs + 1, MAX_LOGPROBS)
+    extra = dict(params.extra_args or {})
+    extra.pop("kv_transfer_params", None)
+    changes["extra_args"] = extra or None
+    return msgspec.structs.replace(
+        gen,
+        sampling_params=msgspec.structs.replace(params, **changes),
+        stream=stream,
+        stream_options=None,
+        kv_transfer_params=kv,
+    )
+
+
+def prefill_request(gen: GenerateRequest) -> GenerateRequest:
+    """The P/D prefill leg: one token, no sampling extras, KV kept for a remote decode."""
+    params = msgspec.structs.replace(
+        gen.sampling_params,
+        max_tokens=1,
+        min_tokens=0,
+        n=1,
+        logprobs=None,
+        stop=None,
+        extra_args=None,
+    )
+    return msgspec.structs.replace(
+        gen,
+        sampling_params=params,
+        stream=False,
+        stream_options=None,
+        kv_transfer_params=dict(PREFILL_PARAMS),
+    )
+
+
+def engine_id(gen: GenerateRequest) -> str:
+    """The id vLLM gives the request (`generate-tokens-` + the X-Request-Id it was sent)."""
+    return f"generate-tokens-{gen.request_id}"
+
+
+def retry_id(gen: GenerateRequest) -> GenerateRequest:
+    """The same request under a fresh engine id, for the one whole-request retry."""
+    return msgspec.structs.replace(gen, request_id=f"{gen.request_id}-retry")
+
+
+def public_id(gens: list[GenerateRequest]) -> str:
+    """The response id the client sees: the request's, not one prompt's."""
+    rid = str(gens[0].request_id)
+    return rid.rsplit("-", 1)[0] if len(gens) > 1 else rid
+
+
+@dataclass(frozen=True)
+class HopHeaders:
+    """The client's headers that travel on: its request id (logs) and vLLM's DP rank hint."""
+
+    request_id: str | None = None
+    dp_rank: str | None = None
+
+    def pure(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.request_id:
+            headers["X-Request-Id"] = self.request_id
+        return headers
+
+    def generate(self, gen: GenerateRequest) -> dict[str, str]:
+        """The engine id is `generate-tokens-` + this X-Request-Id, so aborts can name it."""
+        headers = {"Content-Type": "application/json", "X-Request-Id": str(gen.request_id)}
+        if self.dp_rank:
+            headers["X-data-parallel-rank"] = self.dp_rank
+        return headers
+
+
+# --------------------------------------------------------------------------- generate chunks
+
+
+def generate_chunk(payload: bytes) -> GenerateStreamChunk:
+    """One SSE payload of a generate stream; an in-band error is the engine's failure."""
+    if payload.startswith(b'{"error"'):
+        raise UpstreamError(f"decode failed mid-stream: {payload[:500].decode(errors='replace')}")
+    return GENERATE_CHUNK.decode(payload)
+
+
+def merge_chunks(chunks: list[GenerateStreamChunk]) -> list[GenerateStreamChunk]:
+    """Consecutive chunks of one choice as one chunk (IDs and logprobs concatenated), so a
+    derender that fell behind catches up in one call per choice."""
+    out: list[GenerateStreamChunk] = []
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        prev = out[-1].choices[0] if out else None
+        if prev is None or prev.index != choice.index or prev.finish_reason is not None:
+            out.append(chunk)
+            continue
+        out[-1] = msgspec.structs.replace(out[-1], choices=[_merged(prev, choice)])
+    return out
+
+
+def _merged(a: GenerateStreamChoice, b: GenerateStreamChoice) -> GenerateStreamChoice:
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        content = [
+            *(a.logprobs.content or [] if a.logprobs else []),
+            *(b.logprobs.content or [] if b.logprobs else []),
+        ]
+        logprobs = GenerateLogProbs(content=content)
+    return msgspec.structs.replace(
+        b, token_ids=[*(a.token_ids or []), *(b.token_ids or [])], logprobs=logprobs
+    )
+
+
+# --------------------------------------------------------------------------- derender calls
+
+
+@dataclass(frozen=True)
+class StreamCall:
+    """One streaming derender call: a generate chunk with the state of the previous call.
+
+    `client_raw` is the client's own JSON body (sent as it is over JSON transports, never
+    re-encoded); `client` is the same request decoded (for binary transports).
+    """
+
+    kind: Kind
+    model: str | None
+    chunk: GenerateStreamChunk
+    state: DerenderStreamState | None
+    prompt_token_ids: list[int]
+    client_raw: bytes
+    client: ClientRequest
+
+    def fields(self, client: Any) -> dict[str, Any]:
+        """vLLM's streaming derender body, with `client` as the original-request field."""
+        return {
+            "stream": True,
+            "model": self.model,
+            "generate_chunk": self.chunk,
+            "stream_state": self.state,
+            "prompt_token_ids": self.prompt_token_ids,
+            "prompt_tokens": len(self.prompt_token_ids),
+            self.kind.request_field: client,
+        }
+
+
+def whole_derender_body(
+    kind: Kind,
+    client: ClientRequest,
+    raw: bytes,
+    gens: list[GenerateRequest],
+    responses: list[GenerateResponse],
+) -> dict[str, Any]:
+    """vLLM's non-streaming derender body for every prompt's generate answer."""
+    body: dict[str, Any] = {"model": client.model, kind.request_field: msgspec.Raw(raw)}
+    if kind is COMPLETION:
+        return body | {
+            "generate_responses": responses,
+            "prompt_token_ids": [g.token_ids for g in gens],
+            "prompt_tokens": [len(g.token_ids) for g in gens],
+        }
+    return body | {
+        "generate_response": responses[0],
+        "prompt_token_ids": gens[0].token_ids,
+        "prompt_tokens": len(gens[0].token_ids),
+    }
+
+
+# --------------------------------------------------------------------------- stream bookkeeping
+
+
+@dataclass
+class ChoiceProgress:
+    """Per choice: derender's state and whether the choice is over."""
+
+    state: DerenderStreamState | None = None
+    completion_tokens: int = 0
+    unsent_tokens: int = 0
+    """Tokens counted since the last chunk sent for this choice (per-token ITL)."""
+    finished: bool = False
+    stopped_early: bool = False
+    """A stop string ended it before the engine did: the engine request must be aborted."""
+
+
+@dataclass(frozen=True)
+class Emission:
+    """A chunk for the client and the completion tokens it accounts for (for per-token ITL)."""
+
+    chunk: ClientChunk
+    tokens: int
+
+
+@dataclass
+class StreamFlow:
+    """Every choice of one streaming client request, over all its prompts."""
+
+    kind: Kind
+    client: ClientRequest
+    raw: bytes
+    gens: list[GenerateRequest]
+    progress: dict[tuple[int, int], ChoiceProgress] = field(default_factory=dict)
+    model: str = ""
+
+    @property
+    def n(self) -> int:
+        return self.gens[0].sampling_params.n
+
+    def call(self, p: int, chunk: GenerateStreamChunk) -> StreamCall | None:
+        """The derender call for a chunk of prompt `p` (None: its choice is already over)."""
+        prog = self.progress.setdefault((p, chunk.choices[0].index), ChoiceProgress())
+        if prog.finished:
+            return None
+        gen = self.gens[p]
+        return StreamCall(
+            self.kind, self.client.model, chunk, prog.state, gen.token_ids, self.raw, self.client
+        )
+
+    def accept(self, p: int, chunk: GenerateStreamChunk, answer: StreamAnswer) -> Emission | None:
+        """Derender's answer to `call(p, chunk)`: the chunk for the client, if it has choices."""
+        choice = chunk.choices[0]
+        prog = self.progress[(p, choice.index)]
+        prog.state = answer.stream_state
+        prog.unsent_tokens += answer.stream_state.completion_tokens - prog.completion_tokens
+        prog.completion_tokens = answer.stream_state.completion_tokens
+        if answer.stop_match is not None or choice.finish_reason is not None:
+            prog.finished = True
+            prog.stopped_early = answer.stop_match is not None and choice.finish_reason is None
+        out: ClientChunk = answer.chunk
+        self.model = out.model
+        if not out.choices:
+            return None
+        choices = [msgspec.structs.replace(c, index=p * self.n + c.index) for c in out.choices]
+        usage = self.usage(p, prog.completion_tokens) if self._continuous_usage() else None
+        out = msgspec.structs.replace(out, id=public_id(self.gens), choices=choices, usage=usage)
+        tokens, prog.unsent_tokens = prog.unsent_tokens, 0
+        return Emission(out, tokens)
+
+    def emitted(self, p: int) -> bool:
+        return any(q == p and s.state is not None for (q, _), s in self.progress.items())
+
+    def prompt_done(self, p: int) -> bool:
+        states = [self.progress.get((p, i)) for i in range(self.n)]
+        return all(s is not None and s.finished for s in states)
+
+    def stopped_early(self, p: int) -> bool:
+        return any(s.stopped_early for (q, _), s in self.progress.items() if q == p)
+
+    def usage(self, p: int | None, completion: int) -> Usage:
+        """Usage of prompt `p` (None: of every prompt) with `completion` output tokens."""
+        gens = self.gens if p is None else [self.gens[p]]
+        prompt = sum(len(g.token_ids) for g in gens)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def final_chunk(self) -> dict[str, Any] | None:
+        """The usage-only chunk a client asked for with `stream_options.include_usage`."""
+        opts = self.client.stream_options
+        if not (opts and opts.include_usage):
+            return None
+        completion = sum(s.completion_tokens for s in self.progress.values())
+        return {
+            "id": public_id(self.gens),
+            "object": self.kind.chunk_object,
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(None, completion),
+        }
+
+    def _continuous_usage(self) -> bool:
+        opts = self.client.stream_options
+        return bool(opts and opts.include_usage and opts.continuous_usage_stats)

@@ -1,0 +1,169 @@
+"""The proxy's calls to render and generate, and the derender transport it was given.
+
+`Hops` owns nothing: it uses the app's session and pools. Pure hops (render, derender) are
+retried on another replica through `proxy.retry`; the prefill leg tries each prefill replica
+and falls back to decode-only; a decode leg that fails behind a prefill is run once more
+behind a fresh prefill (`behind_prefill`), as long as nothing has reached the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+
+from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
+from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.pool import Pools, Worker
+from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.transport import DerenderTransport
+from tokenline.proxy.upstream import GENERATE_PATH, post, stream_payloads
+from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
+from tokenline.shared.kinds import Kind
+from tokenline.shared.wire import GENERATE_RESPONSE, JSON, GenerateRequest, GenerateResponse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+ABORT_GRACE = 1.0  # seconds pending aborts get at shutdown
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Which prefill replica holds the prompt's KV, and how to pull it (None: decode-only)."""
+
+    worker: Worker | None
+    kv: dict[str, Any] | None
+
+
+@dataclass
+class Hops:
+    session: aiohttp.ClientSession
+    pools: Pools
+    policy: RetryPolicy
+    metrics: ProxyMetrics
+    derender: DerenderTransport
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def _timed(self, hop: str, call: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.metrics.hop_latency.labels(hop).observe(time.perf_counter() - start)
+
+    async def render(self, kind: Kind, raw: bytes, headers: HopHeaders) -> list[GenerateRequest]:
+        pool = self.pools.render
+
+        async def once(worker: Worker) -> bytes:
+            return await post(self.session, pool, worker, kind.render_path, raw, headers.pure())
+
+        data = await self._timed("render", on_replicas(pool, self.policy, once))
+        return kind.generate_requests(data)
+
+    async def prefill(
+        self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
+    ) -> Prefilled:
+        """The P/D prefill leg: the prompt's KV computed on a prefill instance, and the
+        `kv_transfer_params` the decode instance needs to pull it.
+
+        Failing prefill replicas are marked down and others tried; with none left the request
+        goes decode-only (the decode instance computes the prompt itself), which the client
+        never notices. A 4xx is the request's fault and goes back to the client.
+        """
+        pool = self.pools.prefill
+        if not pool.configured:
+            return Prefilled(None, None)
+        body = JSON.encode(prefill_request(gen))
+        chosen: list[Worker] = []
+
+        async def once(worker: Worker) -> dict[str, Any]:
+            chosen.append(worker)
+            data = await post(
+                self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen)
+            )
+            kv = GENERATE_RESPONSE.decode(data).kv_transfer_params
+            if kv is None:
+                raise UpstreamError(
+                    f"prefill {worker.url} returned no kv_transfer_params "
+                    "(is it started with --role prefill?)"
+                )
+            return kv
+
+        every = RetryPolicy(attempts=len(pool.workers), timeout=self.policy.timeout, sleep=False)
+        try:
+            kv = await self._timed("prefill", on_replicas(pool, every, once, exclude))
+        except UpstreamRejected:
+            raise
+        except ServiceError:
+            self.metrics.prefill_fallbacks.inc()
+            log.warning(
+                "prefill.fallback request_id=%s: no prefill replica left, decode-only",
+                gen.request_id,
+            )
+            return Prefilled(None, None)
+        return Prefilled(chosen[-1], kv)
+
+    async def generate_whole(self, gen: GenerateRequest, headers: HopHeaders) -> GenerateResponse:
+        pool = self.pools.decode
+        worker = pool.choose()
+        body = JSON.encode(gen)
+        call = post(self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen))
+        return GENERATE_RESPONSE.decode(await self._timed("decode", call))
+
+    def generate_stream(
+        self, gen: GenerateRequest, headers: HopHeaders
+    ) -> tuple[Worker, AsyncIterator[bytes]]:
+        """A decode replica and the SSE payloads of `gen` streamed on it."""
+        pool = self.pools.decode
+        worker = pool.choose()
+        body = JSON.encode(gen)
+        return worker, stream_payloads(self.session, pool, worker, body, headers.generate(gen))
+
+    async def behind_prefill(
+        self,
+        gen: GenerateRequest,
+        headers: HopHeaders,
+        decode: Callable[[GenerateRequest, dict[str, Any] | None], Awaitable[T]],
+        may_retry: Callable[[], bool] = lambda: True,
+    ) -> T:
+        """`decode(gen, kv)` behind a prefill leg. If the decode leg fails behind a prefill
+        (e.g. that replica died before the KV was pulled) and `may_retry()` (nothing reached
+        the client), once more from a fresh prefill elsewhere, or decode-only."""
+        pre = await self.prefill(gen, headers)
+        try:
+            return await decode(gen, pre.kv)
+        except UpstreamRejected:
+            raise
+        except ServiceError:
+            if pre.worker is None or not may_retry():
+                raise
+        self.metrics.retries.inc()
+        gen = retry_id(gen)
+        pre = await self.prefill(gen, headers, exclude=[pre.worker])
+        return await decode(gen, pre.kv)
+
+    def abort(self, worker: Worker, gen: GenerateRequest) -> None:
+        """Tell the engine to drop `gen` now (closing its stream also does, later)."""
+        task = asyncio.create_task(self._abort(worker, engine_id(gen)))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def _abort(self, worker: Worker, engine_request_id: str) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+            async with self.session.post(
+                worker.url + "/inference/v1/abort_requests",
+                json={"request_ids": [engine_request_id]},
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                await resp.read()
+
+    async def settle(self) -> None:
+        """Give pending aborts a moment to go out (at shutdown)."""
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=ABORT_GRACE)

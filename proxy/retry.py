@@ -1,0 +1,75 @@
+"""The one retry primitive: a call tried on one replica after another, bounded in attempts and
+time, with jittered exponential backoff between tries.
+
+Every hop that may be retried goes through `on_replicas`: render and derender (pure, so any
+replica may answer again), the derender transports, and the prefill leg (whose caller falls back
+to decode-only when it gives up). A failing replica is reported to its pool (which decides
+whether to eject it); a 4xx that is the request's own fault (`UpstreamRejected`) is never
+retried. Generate calls that may have reached an engine are not retried here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from tokenline.proxy.pool import Pool, Worker
+from tokenline.shared.errors import ServiceError, UpstreamRejected, UpstreamUnavailable
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 3
+    timeout: float = 10.0
+    """Seconds from the first attempt after which no new attempt starts."""
+    base: float = 0.05
+    cap: float = 1.0
+    sleep: bool = True
+    """Tests switch sleeping off (stamina's testing mode)."""
+    rng: random.Random = field(default_factory=random.Random, compare=False)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds before retry `attempt` (0-based): exponential, capped, jittered 0.5x-1.5x."""
+        return float(min(self.cap, self.base * 2**attempt) * (0.5 + self.rng.random()))
+
+
+async def on_replicas(
+    pool: Pool,
+    policy: RetryPolicy,
+    call: Callable[[Worker], Awaitable[T]],
+    exclude: Sequence[Worker] = (),
+) -> T:
+    """`call` on a healthy replica of `pool`; on a retryable failure, on another one.
+
+    Gives up (raising the last error) after `policy.attempts` tries, once `policy.timeout` has
+    passed, or when no healthy replica is left that has not been tried.
+    """
+    deadline = time.monotonic() + policy.timeout
+    tried = list(exclude)
+    last: ServiceError = UpstreamUnavailable(
+        f"no healthy {pool.role} replica (of {len(pool.workers)})"
+    )
+    for attempt in range(policy.attempts):
+        candidates = [w for w in pool.healthy() if w not in tried]
+        if not candidates:
+            break
+        worker = pool.choose(exclude=tried)
+        tried.append(worker)
+        try:
+            return await call(worker)
+        except UpstreamRejected:
+            raise
+        except ServiceError as exc:
+            last = exc
+            pool.mark_down(worker, exc.message)
+        if time.monotonic() >= deadline or attempt + 1 == policy.attempts:
+            break
+        if policy.sleep:
+            await asyncio.sleep(policy.backoff(attempt))
+    raise last

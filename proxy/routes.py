@@ -1,0 +1,86 @@
+"""HTTP <-> the request flow for `/v1/chat/completions` and `/v1/completions`.
+
+The one place where chunks become Server-Sent Events: errors before the first byte are HTTP
+errors (the error middleware), after it they go in-band as an error event, and every stream
+ends with `[DONE]`. Leaving early (the client went away) closes the chunk iterator, which
+cancels its prompts and aborts their engine requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from aiohttp import web
+
+from tokenline.proxy.flow import ClientRequest, HopHeaders, StreamFlow
+from tokenline.proxy.hops import Hops
+from tokenline.proxy.stream import Streaming, whole
+from tokenline.shared.errors import as_service_error
+from tokenline.shared.http import read_json_body
+from tokenline.shared.kinds import CHAT, COMPLETION, Kind
+from tokenline.shared.wire import JSON
+
+HOPS = web.AppKey("hops", Hops)
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def hop_headers(request: web.Request) -> HopHeaders:
+    return HopHeaders(
+        request_id=request.headers.get("X-Request-Id"),
+        dp_rank=request.headers.get("X-data-parallel-rank"),
+    )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, COMPLETION)
+
+
+async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
+    raw = await read_json_body(request)
+    client: ClientRequest = kind.client_request.decode(raw)  # a bad body: 400 before any hop
+    hops, headers = request.app[HOPS], hop_headers(request)
+    gens = await hops.render(kind, raw, headers)
+    if not client.stream:
+        answer = await whole(hops, kind, client, raw, gens, headers)
+        return web.Response(body=JSON.encode(answer), content_type="application/json")
+    streaming = Streaming(hops, StreamFlow(kind, client, raw, gens), headers)
+    return await event_stream(request, streaming.chunks())
+
+
+async def event_stream(
+    request: web.Request, chunks: AsyncGenerator[Any, None]
+) -> web.StreamResponse:
+    """`chunks` as SSE. A failure before the first chunk raises (an HTTP error); after it,
+    the error goes in-band as an event. `[DONE]` ends every stream that started."""
+    async with contextlib.aclosing(chunks):
+        first = await anext(chunks, None)
+        headers = dict(SSE_HEADERS)
+        if rid := request.headers.get("X-Request-Id"):
+            headers["X-Request-Id"] = rid
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        try:
+            if first is not None:
+                await response.write(sse(JSON.encode(first)))
+            async for chunk in chunks:
+                await response.write(sse(JSON.encode(chunk)))
+        except Exception as exc:  # after the first byte, any failure ends the stream in-band
+            await response.write(sse(JSON.encode(as_service_error(exc).to_wire())))
+        await response.write(DONE)
+        await response.write_eof()
+    return response

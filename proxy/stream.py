@@ -1,0 +1,175 @@
+"""One client request through the hops: whole answers, and streams as chunk structs.
+
+Nothing here knows HTTP: `stream` yields the chunks a client should see (and raises
+`ServiceError` when the stream fails) and the route frames them (proxy/routes.py). Each prompt
+of a request decodes in its own task; its generate chunks are read as fast as the engine sends
+them, merged per choice when derender falls behind, and derendered through the app's transport.
+Leaving early (client gone, stop string) closes the decode stream and aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokenline.proxy.flow import (
+    ClientChunk,
+    ClientRequest,
+    HopHeaders,
+    StreamFlow,
+    engine_request,
+    generate_chunk,
+    merge_chunks,
+    public_id,
+    whole_derender_body,
+)
+from tokenline.proxy.hops import Hops
+from tokenline.shared.errors import ServiceError, UpstreamError, as_service_error
+from tokenline.shared.kinds import Kind
+from tokenline.shared.wire import JSON, GenerateRequest, GenerateResponse, GenerateStreamChunk
+
+QUEUE_LIMIT = 65536  # generate chunks buffered per prompt before the request is failed
+OUT_BUFFER = 64  # client chunks ready ahead of the client (backpressure beyond)
+Outgoing = ClientChunk | dict[str, Any]
+
+
+async def whole(
+    hops: Hops,
+    kind: Kind,
+    client: ClientRequest,
+    raw: bytes,
+    gens: list[GenerateRequest],
+    headers: HopHeaders,
+) -> Any:
+    """The non-streaming answer: every prompt generated, then derendered in one call."""
+
+    async def decode(gen: GenerateRequest, kv: dict[str, Any] | None) -> GenerateResponse:
+        return await hops.generate_whole(engine_request(gen, kind, False, kv), headers)
+
+    responses = await asyncio.gather(*(hops.behind_prefill(g, headers, decode) for g in gens))
+    body = whole_derender_body(kind, client, raw, gens, list(responses))
+    data = await hops.derender.whole(kind, JSON.encode(body), headers.pure())
+    return msgspec.structs.replace(kind.whole.decode(data), id=public_id(gens))
+
+
+@dataclass
+class _End:
+    error: ServiceError | None = None
+
+
+@dataclass
+class Streaming:
+    """One streaming client request: every prompt's decode stream, derendered."""
+
+    hops: Hops
+    flow: StreamFlow
+    headers: HopHeaders
+    out: asyncio.Queue[Outgoing | _End] = field(default_factory=lambda: asyncio.Queue(OUT_BUFFER))
+    started: float = field(default_factory=time.perf_counter)
+    last_sent: float | None = None
+
+    async def chunks(self) -> AsyncGenerator[Outgoing, None]:
+        """The client's chunks in order, then the usage chunk if asked for; raises the first
+        failure. Closing it early cancels every prompt's task (which aborts its engine run)."""
+        producer = asyncio.create_task(self._produce())
+        try:
+            while not isinstance(item := await self.out.get(), _End):
+                yield item
+            if item.error is not None:
+                raise item.error
+            if (final := self.flow.final_chunk()) is not None:
+                yield final
+        finally:
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+
+    async def _produce(self) -> None:
+        error: ServiceError | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                for p, gen in enumerate(self.flow.gens):
+                    group.create_task(self._prompt(p, gen))
+        except* Exception as eg:
+            # the first failure stands for the request (a bug is logged and becomes a 500)
+            error = as_service_error(eg.exceptions[0])
+        await self.out.put(_End(error))
+
+    async def _prompt(self, p: int, gen: GenerateRequest) -> None:
+        async def decode(g: GenerateRequest, kv: dict[str, Any] | None) -> None:
+            await self._decode(p, g, kv)
+
+        await self.hops.behind_prefill(
+            gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)
+        )
+
+    async def _decode(self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None) -> None:
+        flow, hops = self.flow, self.hops
+        worker, source = hops.generate_stream(
+            engine_request(gen, flow.kind, True, kv), self.headers
+        )
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        reader = asyncio.create_task(_read(source, queue))
+        ended = False
+        try:
+            async for merged in _batches(queue):
+                for chunk in merged:
+                    await self._relay(p, chunk)
+                if flow.prompt_done(p):
+                    break
+            ended = True
+            if not flow.prompt_done(p):
+                await reader  # surfaces a generate failure
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ServiceError):
+                await reader
+            if not ended or flow.stopped_early(p):
+                hops.metrics.aborts.labels("stop" if ended else "cancelled").inc()
+                hops.abort(worker, gen)
+
+    async def _relay(self, p: int, chunk: GenerateStreamChunk) -> None:
+        call = self.flow.call(p, chunk)
+        if call is None:
+            return
+        answer = await self.hops.derender.stream(call)
+        emission = self.flow.accept(p, chunk, answer)
+        if emission is None:
+            return
+        now = time.perf_counter()
+        if self.last_sent is None:
+            self.hops.metrics.ttft.observe(now - self.started)
+        elif emission.tokens:
+            self.hops.metrics.itl.observe((now - self.last_sent) / emission.tokens)
+        self.last_sent = now
+        await self.out.put(emission.chunk)
+
+
+async def _read(source: AsyncIterator[bytes], queue: asyncio.Queue[bytes | None]) -> None:
+    """Reader side of a generate stream: payloads into `queue`, then None."""
+    try:
+        async for payload in source:
+            if queue.qsize() >= QUEUE_LIMIT:
+                raise UpstreamError("derender fell too far behind generate")
+            queue.put_nowait(payload)
+    finally:
+        queue.put_nowait(None)
+
+
+async def _batches(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[list[GenerateStreamChunk]]:
+    """Everything queued at each turn, decoded and merged per choice."""
+    while True:
+        payloads = [await queue.get()]
+        while not queue.empty():
+            payloads.append(queue.get_nowait())
+        decoded = [generate_chunk(p) for p in payloads if p is not None]
+        if decoded:
+            yield merge_chunks(decoded)
+        if payloads[-1] is None:
+            return

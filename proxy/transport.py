@@ -1,0 +1,176 @@
+"""The derender hop behind one protocol, with three transports.
+
+* `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
+* `ZmqDerender` (proxy/channel.py): msgpack calls over one DEALER socket per replica.
+* `BatchedDerender`: every chunk pending in one event-loop turn, of every stream, in one POST
+  per derender replica (tokenline's `/derender/batch` routes; an item's error is that item's).
+
+Whole (non-streaming) answers always go over HTTP. Every transport retries through
+`proxy.retry.on_replicas` (derender is pure: any replica may answer a call again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import aiohttp
+import msgspec
+
+from tokenline.proxy.flow import StreamAnswer, StreamCall
+from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.pool import Pool, Worker
+from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.upstream import post
+from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
+from tokenline.shared.kinds import Kind, KindName
+from tokenline.shared.wire import ERROR, JSON, ErrorEnvelope
+
+T = TypeVar("T")
+BATCH_LIMIT = 256  # items per batch call (the derender batch routes' own bound)
+JSON_HEADERS = {"Content-Type": "application/json"}
+BATCH_ANSWER = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+class DerenderTransport(Protocol):
+    async def stream(self, call: StreamCall) -> StreamAnswer:
+        """One streaming derender call; raises `ServiceError` (never a foreign exception)."""
+        ...
+
+    async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:
+        """One non-streaming derender call (vLLM's JSON body); the answer's bytes."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def readable(decoder: Any, data: bytes) -> Any:
+    """A derender answer, or an upstream error naming the hop (never a bare decode error)."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise UpstreamError(f"derender answered an unreadable body: {exc}") from exc
+
+
+@dataclass
+class HttpDerender:
+    """vLLM's derender routes over HTTP: the default, and the base of the others."""
+
+    session: aiohttp.ClientSession
+    pool: Pool
+    policy: RetryPolicy
+    metrics: ProxyMetrics
+
+    async def _timed(self, call: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.metrics.hop_latency.labels("derender").observe(time.perf_counter() - start)
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        async def once(worker: Worker) -> bytes:
+            return await post(self.session, self.pool, worker, path, body, headers)
+
+        return await self._timed(on_replicas(self.pool, self.policy, once))
+
+    async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:
+        return await self.post(kind.derender_path, body, headers)
+
+    async def stream(self, call: StreamCall) -> StreamAnswer:
+        # the client's own bytes: no re-encoding of the original request per chunk
+        body = JSON.encode(call.fields(msgspec.Raw(call.client_raw)))
+        data = await self.post(call.kind.derender_path, body, JSON_HEADERS)
+        return readable(call.kind.stream_answer_json, data)
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class _Pending:
+    call: StreamCall
+    answer: asyncio.Future[StreamAnswer]
+
+
+@dataclass
+class BatchedDerender(HttpDerender):
+    """Streaming calls gathered per event-loop turn into one batch per derender replica."""
+
+    waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
+    flushing: set[asyncio.Task[None]] = field(default_factory=set)
+    scheduled: bool = False
+
+    async def stream(self, call: StreamCall) -> StreamAnswer:
+        future: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(call.kind.name, []).append(_Pending(call, future))
+        if not self.scheduled:
+            self.scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        self.scheduled = False
+        waiting, self.waiting = self.waiting, {}
+        replicas = max(1, len(self.pool.healthy()))
+        for items in waiting.values():
+            live = [p for p in items if not p.answer.done()]  # a caller may have gone
+            for batch in _split(live, replicas):
+                task = asyncio.create_task(self._send(batch))
+                self.flushing.add(task)
+                task.add_done_callback(self.flushing.discard)
+
+    async def _send(self, batch: list[_Pending]) -> None:
+        kind = batch[0].call.kind
+        items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw))) for p in batch]
+        body = b'{"requests":[' + b",".join(items) + b"]}"
+        try:
+            answers = readable(BATCH_ANSWER, await self.post(kind.batch_path, body, JSON_HEADERS))
+            if len(answers) != len(batch):
+                raise UpstreamError(
+                    f"derender answered {len(answers)} items to a batch of {len(batch)}"
+                )
+        except ServiceError as exc:
+            for p in batch:
+                _settle(p.answer, exc)
+            return
+        for p, raw in zip(batch, answers, strict=True):
+            _settle(p.answer, _item(kind, bytes(raw)))
+
+    async def close(self) -> None:
+        for task in list(self.flushing):
+            task.cancel()
+        await asyncio.gather(*self.flushing, return_exceptions=True)
+
+
+def _item(kind: Kind, raw: bytes) -> StreamAnswer | ServiceError:
+    """One item of a batch answer: derender's answer, or that item's own error."""
+    try:
+        if not raw.startswith(b'{"error"'):
+            return readable(kind.stream_answer_json, raw)
+        error = readable(ERROR, raw).error
+    except ServiceError as exc:
+        return exc
+    if 400 <= error.code < 500:
+        return UpstreamRejected(error.code, ErrorEnvelope(error=error))
+    return UpstreamError(f"derender failed a batch item: {error.message}")
+
+
+def _settle(future: asyncio.Future[StreamAnswer], outcome: StreamAnswer | ServiceError) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, ServiceError):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _split(items: list[_Pending], parts: int) -> list[list[_Pending]]:
+    """`items` as at most `parts` batches (one per replica) of at most BATCH_LIMIT each."""
+    if not items:
+        return []
+    size = min(BATCH_LIMIT, -(-len(items) // parts))
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,87 @@
+"""Chat and completions as data: one description per kind of request.
+
+Everything that differs between `/v1/chat/completions` and `/v1/completions` on the way through
+the tiers (paths, the field that carries the client's request in a derender call, the decoders
+and the stream chunk's `object`) lives here, so code that handles both takes a `Kind` instead
+of branching on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from tokenline.shared.wire import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DerenderChatRequest,
+    DerenderChatStreamResponse,
+    DerenderCompletionRequest,
+    DerenderCompletionStreamResponse,
+    GenerateRequest,
+)
+
+KindName = Literal["chat", "completion"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: KindName
+    client_path: str
+    render_path: str
+    derender_path: str
+    request_field: str
+    """The derender body's field that carries the client's request."""
+    chunk_object: str
+    """`object` of a stream chunk of this kind."""
+    client_request: msgspec.json.Decoder[Any]
+    rendered: msgspec.json.Decoder[Any]
+    """render's answer: one generate request (chat) or one per prompt (completions)."""
+    whole: msgspec.json.Decoder[Any]
+    derender_request: type[DerenderChatRequest] | type[DerenderCompletionRequest]
+    stream_answer_json: msgspec.json.Decoder[Any]
+    stream_answer_msgpack: msgspec.msgpack.Decoder[Any]
+
+    @property
+    def batch_path(self) -> str:
+        return self.derender_path + "/batch"
+
+    def generate_requests(self, data: bytes) -> list[GenerateRequest]:
+        """render's answer as one generate request per prompt."""
+        decoded = self.rendered.decode(data)
+        return decoded if isinstance(decoded, list) else [decoded]
+
+
+CHAT = Kind(
+    name="chat",
+    client_path="/v1/chat/completions",
+    render_path="/v1/chat/completions/render",
+    derender_path="/v1/chat/completions/derender",
+    request_field="chat_request",
+    chunk_object="chat.completion.chunk",
+    client_request=msgspec.json.Decoder(ChatCompletionRequest),
+    rendered=msgspec.json.Decoder(GenerateRequest),
+    whole=msgspec.json.Decoder(ChatCompletion),
+    derender_request=DerenderChatRequest,
+    stream_answer_json=msgspec.json.Decoder(DerenderChatStreamResponse),
+    stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderChatStreamResponse),
+)
+COMPLETION = Kind(
+    name="completion",
+    client_path="/v1/completions",
+    render_path="/v1/completions/render",
+    derender_path="/v1/completions/derender",
+    request_field="completion_request",
+    chunk_object="text_completion",
+    client_request=msgspec.json.Decoder(CompletionRequest),
+    rendered=msgspec.json.Decoder(list[GenerateRequest]),
+    whole=msgspec.json.Decoder(Completion),
+    derender_request=DerenderCompletionRequest,
+    stream_answer_json=msgspec.json.Decoder(DerenderCompletionStreamResponse),
+    stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderCompletionStreamResponse),
+)
+KINDS = {k.name: k for k in (CHAT, COMPLETION)}

@@ -1,0 +1,229 @@
+"""The proxy's flow without servers: engine requests, P/D legs, chunk merging, choice
+bookkeeping, index remapping, usage and the tokens behind ITL."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tokenline.proxy.flow import (
+    HopHeaders,
+    StreamFlow,
+    engine_id,
+    engine_request,
+    generate_chunk,
+    merge_chunks,
+    prefill_request,
+    public_id,
+    retry_id,
+    whole_derender_body,
+)
+from tokenline.shared.errors import UpstreamError
+from tokenline.shared.kinds import CHAT, COMPLETION
+from tokenline.shared.limits import MAX_LOGPROBS
+from tokenline.shared.wire import (
+    CHAT_REQUEST,
+    COMPLETION_REQUEST,
+    ChatCompletionChunk,
+    ChatStreamChoice,
+    Delta,
+    DerenderChatStreamResponse,
+    DerenderStreamState,
+    GenerateLogProbs,
+    GenerateLogProbsContent,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamChoice,
+    GenerateStreamChunk,
+    SamplingParams,
+    StopMatch,
+)
+
+
+def gen(
+    rid: str = "r1", n: int = 1, logprobs: int | None = None, **extra: object
+) -> GenerateRequest:
+    params = SamplingParams(
+        n=n, logprobs=logprobs, stop=["x"], include_stop_str_in_output=True, **extra
+    )
+    return GenerateRequest(request_id=rid, token_ids=[1, 2, 3], sampling_params=params)
+
+
+def chunk(index: int, ids: list[int], finish: str | None = None) -> GenerateStreamChunk:
+    logprobs = GenerateLogProbs(
+        content=[GenerateLogProbsContent(token_id=i, logprob=-1.0) for i in ids]
+    )
+    return GenerateStreamChunk(
+        request_id="e",
+        choices=[
+            GenerateStreamChoice(
+                index=index, token_ids=ids, logprobs=logprobs, finish_reason=finish
+            )
+        ],
+    )
+
+
+def test_engine_request_leaves_stops_to_derender_and_sets_the_leg() -> None:
+    kv = {"remote_host": "h"}
+    out = engine_request(gen(extra_args={"kv_transfer_params": {"a": 1}}), CHAT, True, kv)
+    assert out.sampling_params.stop is None
+    assert out.sampling_params.include_stop_str_in_output is False
+    assert out.sampling_params.extra_args is None
+    assert out.stream and out.kv_transfer_params == kv
+
+
+def test_completions_ask_one_more_logprob_up_to_the_maximum() -> None:
+    assert engine_request(gen(logprobs=3), COMPLETION, False, None).sampling_params.logprobs == 4
+    top = engine_request(gen(logprobs=MAX_LOGPROBS), COMPLETION, False, None)
+    assert top.sampling_params.logprobs == MAX_LOGPROBS
+    assert engine_request(gen(logprobs=3), CHAT, False, None).sampling_params.logprobs == 3
+
+
+def test_prefill_leg_computes_one_token_and_keeps_kv() -> None:
+    leg = prefill_request(gen(n=2, logprobs=2, min_tokens=4))
+    params = leg.sampling_params
+    assert (params.max_tokens, params.min_tokens, params.n, params.logprobs) == (1, 0, 1, None)
+    assert params.stop is None and not leg.stream
+    assert leg.kv_transfer_params is not None and leg.kv_transfer_params["do_remote_decode"]
+
+
+def test_ids_and_headers() -> None:
+    g = gen("abc-0")
+    assert engine_id(g) == "generate-tokens-abc-0"
+    assert retry_id(g).request_id == "abc-0-retry"
+    assert public_id([g]) == "abc-0"
+    assert public_id([g, gen("abc-1")]) == "abc"
+    headers = HopHeaders(request_id="client", dp_rank="1")
+    assert headers.pure()["X-Request-Id"] == "client"
+    assert headers.generate(g) == {
+        "Content-Type": "application/json",
+        "X-Request-Id": "abc-0",
+        "X-data-parallel-rank": "1",
+    }
+    assert "X-Request-Id" not in HopHeaders().pure()
+
+
+def test_an_error_payload_mid_stream_is_an_upstream_error() -> None:
+    with pytest.raises(UpstreamError, match="decode failed mid-stream"):
+        generate_chunk(b'{"error": {"message": "boom"}}')
+    assert generate_chunk(msgspec.json.encode(chunk(0, [5]))).choices[0].token_ids == [5]
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 99), min_size=1, max_size=3)),
+        max_size=20,
+    )
+)
+def test_merging_keeps_every_token_in_order_per_choice(parts: list[tuple[int, list[int]]]) -> None:
+    merged = merge_chunks([chunk(i, ids) for i, ids in parts])
+    for index in range(3):
+        want = [t for i, ids in parts if i == index for t in ids]
+        mine = [c.choices[0] for c in merged if c.choices[0].index == index]
+        got = [t for c in mine for t in c.token_ids or []]
+        lp = [e.token_id for c in mine for e in (c.logprobs.content or [] if c.logprobs else [])]
+        assert got == want == lp
+    for a, b in itertools.pairwise(merged):
+        assert a.choices[0].index != b.choices[0].index  # consecutive ones were merged
+
+
+def test_merging_never_crosses_a_finished_choice() -> None:
+    merged = merge_chunks([chunk(0, [1], "stop"), chunk(0, [2])])
+    assert len(merged) == 2
+
+
+def test_whole_body_per_kind() -> None:
+    raw = b'{"messages": []}'
+    client = CHAT_REQUEST.decode(b'{"messages": [{"role": "user", "content": "hi"}]}')
+    response = GenerateResponse(request_id="e", choices=[])
+    body = whole_derender_body(CHAT, client, raw, [gen()], [response])
+    assert body["chat_request"] == msgspec.Raw(raw)
+    assert body["generate_response"] is response and body["prompt_tokens"] == 3
+    completion = COMPLETION_REQUEST.decode(b'{"prompt": "hi"}')
+    body = whole_derender_body(COMPLETION, completion, raw, [gen(), gen()], [response, response])
+    assert body["prompt_tokens"] == [3, 3] and len(body["generate_responses"]) == 2
+
+
+def answer(
+    tokens: int, text: str | None, stop: bool = False, index: int = 0
+) -> DerenderChatStreamResponse:
+    choices = [] if text is None else [ChatStreamChoice(index=index, delta=Delta(content=text))]
+    return DerenderChatStreamResponse(
+        chunk=ChatCompletionChunk(id="x", created=0, model="tiny", choices=choices),
+        stream_state=DerenderStreamState(completion_tokens=tokens),
+        stop_match=StopMatch(stop="s", completion_tokens=tokens) if stop else None,
+    )
+
+
+def stream_flow(n: int = 2, prompts: int = 2, usage: str = "") -> StreamFlow:
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true' + usage.encode()
+    client = CHAT_REQUEST.decode(body + b"}")
+    gens = [gen(f"req-{p}", n=n) for p in range(prompts)]
+    return StreamFlow(CHAT, client, body, gens)
+
+
+def test_choices_are_remapped_across_prompts_and_n() -> None:
+    flow = stream_flow()
+    c = chunk(1, [7])
+    call = flow.call(1, c)
+    assert call is not None and call.state is None and call.prompt_token_ids == [1, 2, 3]
+    emission = flow.accept(1, c, answer(1, "a", index=1))
+    assert emission is not None
+    assert emission.chunk.choices[0].index == 3  # prompt 1, choice 1, n = 2
+    assert emission.chunk.id == "req" and emission.tokens == 1
+    assert flow.emitted(1) and not flow.emitted(0)
+
+
+def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:
+    flow = stream_flow(n=1, prompts=1)
+    c = chunk(0, [7])
+    flow.call(0, c)
+    assert flow.accept(0, c, answer(2, None)) is None  # nothing to send yet (held back)
+    flow.call(0, c)
+    emission = flow.accept(0, c, answer(3, "abc"))
+    assert emission is not None and emission.tokens == 3
+
+
+def test_a_stop_string_ends_the_choice_early_and_asks_for_an_abort() -> None:
+    flow = stream_flow(n=1, prompts=1)
+    c = chunk(0, [7])
+    flow.call(0, c)
+    flow.accept(0, c, answer(1, "x", stop=True))
+    assert flow.prompt_done(0) and flow.stopped_early(0)
+    assert flow.call(0, chunk(0, [8])) is None  # later chunks of the choice are dropped
+
+
+def test_a_finished_choice_is_not_early() -> None:
+    flow = stream_flow(n=1, prompts=1)
+    c = chunk(0, [7], finish="length")
+    flow.call(0, c)
+    flow.accept(0, c, answer(1, "x"))
+    assert flow.prompt_done(0) and not flow.stopped_early(0)
+
+
+def test_usage_final_and_continuous() -> None:
+    flow = stream_flow(n=1, prompts=2, usage=', "stream_options": {"include_usage": true}')
+    for p in (0, 1):
+        c = chunk(0, [7], finish="stop")
+        flow.call(p, c)
+        emission = flow.accept(p, c, answer(2, "x"))
+        assert emission is not None and emission.chunk.usage is None
+    final = flow.final_chunk()
+    assert final is not None and final["object"] == "chat.completion.chunk"
+    usage = final["usage"]
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (6, 4, 10)
+    assert stream_flow().final_chunk() is None
+    continuous = stream_flow(
+        n=1,
+        prompts=1,
+        usage=', "stream_options": {"include_usage": true, "continuous_usage_stats": true}',
+    )
+    c = chunk(0, [7])
+    continuous.call(0, c)
+    emission = continuous.accept(0, c, answer(1, "x"))
+    assert emission is not None and emission.chunk.usage is not None
+    assert emission.chunk.usage.total_tokens == 4

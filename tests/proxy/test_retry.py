@@ -1,0 +1,105 @@
+"""The one retry primitive: replicas in turn, bounded attempts and time, 4xx never retried."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenline.proxy.pool import Pool, Worker
+from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.shared.errors import (
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamUnavailable,
+)
+from tokenline.shared.wire import ErrorEnvelope, ErrorInfo
+
+NO_SLEEP = RetryPolicy(sleep=False)
+
+
+def pool(*urls: str) -> Pool:
+    return Pool("derender", urls)
+
+
+async def test_a_failing_replica_is_marked_down_and_another_answers() -> None:
+    p = pool("a", "b")
+    seen: list[str] = []
+
+    async def call(w: Worker) -> str:
+        seen.append(w.url)
+        if w.url == "a":
+            raise UpstreamError("a broke")
+        return w.url
+
+    assert await on_replicas(p, NO_SLEEP, call) == "b"
+    assert seen == ["a", "b"]
+    assert [w.url for w in p.healthy()] == ["b"]
+
+
+async def test_a_rejection_is_the_requests_fault_and_not_retried() -> None:
+    p = pool("a", "b")
+    calls = 0
+    envelope = ErrorEnvelope(error=ErrorInfo(message="bad", type="BadRequestError", code=400))
+
+    async def call(w: Worker) -> str:
+        nonlocal calls
+        calls += 1
+        raise UpstreamRejected(400, envelope)
+
+    with pytest.raises(UpstreamRejected):
+        await on_replicas(p, NO_SLEEP, call)
+    assert calls == 1 and len(p.healthy()) == 2
+
+
+async def test_attempts_are_bounded_and_the_last_error_raised() -> None:
+    p = pool(*"abcdef")
+
+    async def call(w: Worker) -> str:
+        raise UpstreamError(f"{w.url} broke")
+
+    with pytest.raises(UpstreamError, match="c broke"):
+        await on_replicas(p, RetryPolicy(attempts=3, sleep=False), call)
+    assert len(p.healthy()) == 3
+
+
+async def test_no_replica_left_is_unavailable() -> None:
+    p = pool("a")
+    p.workers[0].healthy = False
+
+    async def call(w: Worker) -> str:
+        raise AssertionError("never called")
+
+    with pytest.raises(UpstreamUnavailable, match="no healthy derender replica"):
+        await on_replicas(p, NO_SLEEP, call)
+
+
+async def test_excluded_replicas_are_not_tried() -> None:
+    p = pool("a", "b")
+
+    async def call(w: Worker) -> str:
+        return w.url
+
+    assert await on_replicas(p, NO_SLEEP, call, exclude=[p.workers[0]]) == "b"
+
+
+async def test_the_deadline_stops_new_attempts() -> None:
+    p = pool("a", "b", "c")
+    calls = 0
+
+    async def call(w: Worker) -> str:
+        nonlocal calls
+        calls += 1
+        raise UpstreamError("slow failure")
+
+    with pytest.raises(UpstreamError):
+        await on_replicas(p, RetryPolicy(attempts=3, timeout=0.0, sleep=False), call)
+    assert calls == 1
+
+
+def test_backoff_is_exponential_capped_and_jittered() -> None:
+    policy = RetryPolicy(base=0.1, cap=1.0, rng=random.Random(7))
+    waits = [policy.backoff(a) for a in range(8)]
+    assert all(0.05 <= w <= 1.5 for w in waits)
+    assert 0.05 <= waits[0] <= 0.15 and waits[7] >= 0.5
+    assert len(set(waits)) == len(waits)  # jittered

@@ -1,0 +1,166 @@
+"""The derender transports' own behaviour against small real aiohttp servers: batching per
+event-loop turn, one batch per replica, an item's error that item's alone, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tokenline.proxy.flow import StreamCall
+from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.pool import Pool
+from tokenline.proxy.retry import RetryPolicy
+from tokenline.proxy.transport import BatchedDerender, HttpDerender
+from tokenline.shared.errors import UpstreamError, UpstreamRejected
+from tokenline.shared.kinds import CHAT
+from tokenline.shared.wire import (
+    CHAT_REQUEST,
+    GenerateStreamChoice,
+    GenerateStreamChunk,
+)
+
+RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+METRICS = ProxyMetrics()
+
+
+def call(token: int) -> StreamCall:
+    chunk = GenerateStreamChunk(
+        request_id="e", choices=[GenerateStreamChoice(index=0, token_ids=[token])]
+    )
+    return StreamCall(CHAT, "tiny", chunk, None, [1, 2], RAW, CHAT_REQUEST.decode(RAW))
+
+
+def answer_for(item: dict[str, object]) -> dict[str, object]:
+    """A derender stream answer echoing the item's token as content (or its error)."""
+    token = item["generate_chunk"]["choices"][0]["token_ids"][0]  # type: ignore[index]
+    if token == 666:
+        return {"error": {"message": "bad token", "type": "BadRequestError", "code": 400}}
+    chunk = {
+        "id": "x",
+        "created": 0,
+        "model": "tiny",
+        "choices": [{"index": 0, "delta": {"content": str(token)}}],
+    }
+    return {"chunk": chunk, "stream_state": {"completion_tokens": 1}}
+
+
+class FakeDerender:
+    def __init__(self, fail: bool = False) -> None:
+        self.batches: list[int] = []
+        self.singles: list[bytes] = []
+        self.fail = fail
+        self.app = web.Application()
+        self.app.router.add_post(CHAT.batch_path, self.batch)
+        self.app.router.add_post(CHAT.derender_path, self.single)
+
+    async def batch(self, request: web.Request) -> web.Response:
+        if self.fail:
+            return web.Response(status=500, text="down")
+        items = (await request.json())["requests"]
+        self.batches.append(len(items))
+        return web.json_response([answer_for(i) for i in items])
+
+    async def single(self, request: web.Request) -> web.Response:
+        self.singles.append(await request.read())
+        body = answer_for(json.loads(self.singles[-1]))
+        return web.json_response(body, status=400 if "error" in body else 200)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
+    servers = [TestServer(f.app) for f in fakes]
+    for s in servers:
+        await s.start_server()
+    return Pool("derender", tuple(str(s.make_url("")).rstrip("/") for s in servers)), servers
+
+
+async def test_one_turn_of_calls_is_one_batch_per_replica(
+    session: aiohttp.ClientSession,
+) -> None:
+    fakes = [FakeDerender(), FakeDerender()]
+    pool, servers = await serve(fakes)
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    try:
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(10)))
+        assert [a.chunk.choices[0].delta.content for a in answers] == [str(t) for t in range(10)]
+        assert sorted(fakes[0].batches + fakes[1].batches) == [5, 5]
+        more = await asyncio.gather(*(transport.stream(call(t)) for t in range(3)))
+        assert len(more) == 3 and sum(map(len, (fakes[0].batches, fakes[1].batches))) == 4
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession) -> None:
+    fake = FakeDerender()
+    pool, servers = await serve([fake])
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    try:
+        results = await asyncio.gather(
+            *(transport.stream(call(t)) for t in (1, 666, 2)), return_exceptions=True
+        )
+        assert fake.batches == [3]
+        assert isinstance(results[1], UpstreamRejected) and results[1].status == 400
+        assert [r.chunk.choices[0].delta.content for r in (results[0], results[2])] == ["1", "2"]
+        assert pool.healthy() == pool.workers  # a request's fault never ejects a replica
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_failing_replica_is_retried_elsewhere(session: aiohttp.ClientSession) -> None:
+    broken, fine = FakeDerender(fail=True), FakeDerender()
+    pool, servers = await serve([broken, fine])
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    try:
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
+        assert len(answers) == 4 and sum(fine.batches) == 4
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_no_replica_answering_fails_every_waiting_call(
+    session: aiohttp.ClientSession,
+) -> None:
+    pool, servers = await serve([FakeDerender(fail=True)])
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    try:
+        results = await asyncio.gather(
+            *(transport.stream(call(t)) for t in range(3)), return_exceptions=True
+        )
+        assert all(isinstance(r, UpstreamError) for r in results)
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_http_sends_the_clients_own_bytes(session: aiohttp.ClientSession) -> None:
+    fake = FakeDerender()
+    pool, servers = await serve([fake])
+    transport = HttpDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    try:
+        got = await transport.stream(call(5))
+        assert got.chunk.choices[0].delta.content == "5"
+        assert RAW in fake.singles[0]  # never re-encoded
+        with pytest.raises(UpstreamRejected):
+            await transport.stream(call(666))
+        assert pool.healthy() == pool.workers
+    finally:
+        for s in servers:
+            await s.close()
