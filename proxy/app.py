@@ -12,21 +12,22 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from tokenline.proxy.admission import Admission
 from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.hops import Hops
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, maintained
 from tokenline.proxy.retry import RetryPolicy
-from tokenline.proxy.routes import HOPS, chat_completions, completions
+from tokenline.proxy.routes import ADMISSION, HOPS, chat_completions, completions
 from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
-from tokenline.shared.errors import Overloaded, Unauthorized
+from tokenline.shared.errors import Unauthorized
 from tokenline.shared.http import Handler, error_response, json_response, make_base_app
+from tokenline.shared.metrics import CLIENT_GONE
 
 log = logging.getLogger(__name__)
 CONFIG = web.AppKey("proxy_config", ProxyConfig)
 METRICS = web.AppKey("proxy_metrics", ProxyMetrics)
-LIMIT = web.AppKey("proxy_limit", asyncio.Semaphore)
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -91,21 +92,23 @@ def auth_middleware(api_key: str | None) -> object:
     return check
 
 
-def admission_middleware() -> object:
+def request_log_middleware() -> object:
+    """One log line per API request (499 for a client that went away), and the client's
+    X-Request-Id echoed back."""
+
     @web.middleware
-    async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def logged(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith("/v1/") or request.method != "POST":
             return await handler(request)
-        limit = request.app[LIMIT]
-        if limit.locked():
-            raise Overloaded("too many requests in flight; retry later")
         rid = request.headers.get("X-Request-Id")
         start = time.perf_counter()
         status = 500
         try:
-            async with limit:
-                response = await handler(request)
+            response = await handler(request)
             status = response.status
+        except asyncio.CancelledError:
+            status = CLIENT_GONE
+            raise
         finally:
             log.info(
                 "request.done path=%s status=%s ms=%.1f request_id=%s",
@@ -119,7 +122,7 @@ def admission_middleware() -> object:
             response.headers["X-Request-Id"] = rid
         return response
 
-    return admit
+    return logged
 
 
 async def health(request: web.Request) -> web.Response:
@@ -152,11 +155,11 @@ async def models(request: web.Request) -> web.Response:
 def make_app(config: ProxyConfig) -> web.Application:
     metrics = ProxyMetrics()
     app = make_base_app(
-        [metrics.middleware(), auth_middleware(config.api_key), admission_middleware()],
+        [metrics.middleware(), auth_middleware(config.api_key), request_log_middleware()],
         max_body=config.max_body_bytes,
     )
     app[CONFIG], app[METRICS] = config, metrics
-    app[LIMIT] = asyncio.Semaphore(config.max_in_flight)
+    app[ADMISSION] = Admission(config.max_in_flight, config.max_in_flight)
     app.cleanup_ctx.append(hops_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

@@ -105,9 +105,26 @@ def retry_id(gen: GenerateRequest) -> GenerateRequest:
 
 
 def public_id(gens: list[GenerateRequest]) -> str:
-    """The response id the client sees: the request's, not one prompt's."""
+    """The response id the client sees (render's, as vLLM builds it): the request's, not one
+    prompt's."""
     rid = str(gens[0].request_id)
     return rid.rsplit("-", 1)[0] if len(gens) > 1 else rid
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """render's generate requests under engine ids of the proxy's own, and the id the client
+    sees. Engine ids never come from client input: two clients sending the same X-Request-Id
+    must not share (or abort) each other's engine requests."""
+
+    public_id: str
+    gens: list[GenerateRequest]
+
+    @classmethod
+    def of(cls, gens: list[GenerateRequest], nonce: str) -> Rendered:
+        """`nonce`: unique per client request (e.g. a random UUID's hex)."""
+        own = [msgspec.structs.replace(g, request_id=f"tl-{nonce}-{p}") for p, g in enumerate(gens)]
+        return cls(public_id(gens), own)
 
 
 @dataclass(frozen=True)
@@ -255,9 +272,13 @@ class StreamFlow:
     kind: Kind
     client: ClientRequest
     raw: bytes
-    gens: list[GenerateRequest]
+    rendered: Rendered
     progress: dict[tuple[int, int], ChoiceProgress] = field(default_factory=dict)
     model: str = ""
+
+    @property
+    def gens(self) -> list[GenerateRequest]:
+        return self.rendered.gens
 
     @property
     def n(self) -> int:
@@ -289,7 +310,7 @@ class StreamFlow:
             return None
         choices = [msgspec.structs.replace(c, index=p * self.n + c.index) for c in out.choices]
         usage = self.usage(p, prog.completion_tokens) if self._continuous_usage() else None
-        out = msgspec.structs.replace(out, id=public_id(self.gens), choices=choices, usage=usage)
+        out = msgspec.structs.replace(out, id=self.rendered.public_id, choices=choices, usage=usage)
         tokens, prog.unsent_tokens = prog.unsent_tokens, 0
         return Emission(out, tokens)
 
@@ -318,7 +339,7 @@ class StreamFlow:
             return None
         completion = sum(s.completion_tokens for s in self.progress.values())
         return {
-            "id": public_id(self.gens),
+            "id": self.rendered.public_id,
             "object": self.kind.chunk_object,
             "created": int(time.time()),
             "model": self.model,

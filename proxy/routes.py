@@ -9,12 +9,14 @@ cancels its prompts and aborts their engine requests.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from aiohttp import web
 
-from tokenline.proxy.flow import ClientRequest, HopHeaders, StreamFlow
+from tokenline.proxy.admission import Admission
+from tokenline.proxy.flow import ClientRequest, HopHeaders, Rendered, StreamFlow
 from tokenline.proxy.hops import Hops
 from tokenline.proxy.stream import Streaming, whole
 from tokenline.shared.errors import as_service_error
@@ -23,6 +25,7 @@ from tokenline.shared.kinds import CHAT, COMPLETION, Kind
 from tokenline.shared.wire import JSON
 
 HOPS = web.AppKey("hops", Hops)
+ADMISSION = web.AppKey("admission", Admission)
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -53,12 +56,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     raw = await read_json_body(request)
     client: ClientRequest = kind.client_request.decode(raw)  # a bad body: 400 before any hop
+    async with request.app[ADMISSION].slot(client.priority):
+        return await _admitted(request, kind, client, raw)
+
+
+async def _admitted(
+    request: web.Request, kind: Kind, client: ClientRequest, raw: bytes
+) -> web.StreamResponse:
     hops, headers = request.app[HOPS], hop_headers(request)
-    gens = await hops.render(kind, raw, headers)
+    rendered = Rendered.of(await hops.render(kind, raw, headers), uuid.uuid4().hex)
     if not client.stream:
-        answer = await whole(hops, kind, client, raw, gens, headers)
+        answer = await whole(hops, kind, client, raw, rendered, headers)
         return web.Response(body=JSON.encode(answer), content_type="application/json")
-    streaming = Streaming(hops, StreamFlow(kind, client, raw, gens), headers)
+    streaming = Streaming(hops, StreamFlow(kind, client, raw, rendered), headers)
     return await event_stream(request, streaming.chunks())
 
 

@@ -22,11 +22,11 @@ from tokenline.proxy.flow import (
     ClientChunk,
     ClientRequest,
     HopHeaders,
+    Rendered,
     StreamFlow,
     engine_request,
     generate_chunk,
     merge_chunks,
-    public_id,
     whole_derender_body,
 )
 from tokenline.proxy.hops import Hops
@@ -44,10 +44,11 @@ async def whole(
     kind: Kind,
     client: ClientRequest,
     raw: bytes,
-    gens: list[GenerateRequest],
+    rendered: Rendered,
     headers: HopHeaders,
 ) -> Any:
     """The non-streaming answer: every prompt generated, then derendered in one call."""
+    gens = rendered.gens
 
     async def decode(gen: GenerateRequest, kv: dict[str, Any] | None) -> GenerateResponse:
         return await hops.generate_whole(engine_request(gen, kind, False, kv), headers)
@@ -55,7 +56,7 @@ async def whole(
     responses = await asyncio.gather(*(hops.behind_prefill(g, headers, decode) for g in gens))
     body = whole_derender_body(kind, client, raw, gens, list(responses))
     data = await hops.derender.whole(kind, JSON.encode(body), headers.pure())
-    return msgspec.structs.replace(kind.whole.decode(data), id=public_id(gens))
+    return msgspec.structs.replace(kind.whole.decode(data), id=rendered.public_id)
 
 
 @dataclass

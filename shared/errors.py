@@ -44,6 +44,10 @@ class ServiceError(Exception):
         # Picklable with `param`, so errors raised in render's worker processes arrive whole.
         return (type(self), (self.message,), self.__dict__)
 
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the answer carries (e.g. Retry-After)."""
+        return {}
+
     def to_wire(self) -> ErrorEnvelope:
         return ErrorEnvelope(
             error=ErrorInfo(
@@ -74,6 +78,10 @@ class PayloadTooLarge(ServiceError):
 
 class Overloaded(ServiceError):
     status, kind = 429, "TooManyRequests"
+    retry_after = 1
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
 
 
 class UpstreamRejected(ServiceError):

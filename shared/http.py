@@ -26,7 +26,9 @@ def json_response(body: Any, status: int = 200) -> web.Response:
 
 
 def error_response(exc: ServiceError) -> web.Response:
-    return json_response(exc.to_wire(), status=exc.status)
+    response = json_response(exc.to_wire(), status=exc.status)
+    response.headers.update(exc.headers())
+    return response
 
 
 @web.middleware

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenline.shared.http import Handler
 
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection first
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -60,6 +62,9 @@ class ServiceMetrics:
                 response = await handler(request)
                 status = response.status
                 return response
+            except asyncio.CancelledError:
+                status = CLIENT_GONE
+                raise
             finally:
                 self.requests.labels(name, str(status)).inc()
                 self.latency.labels(name).observe(time.perf_counter() - start)

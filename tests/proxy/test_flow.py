@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tokenline.proxy.flow import (
     HopHeaders,
+    Rendered,
     StreamFlow,
     engine_id,
     engine_request,
@@ -107,6 +108,14 @@ def test_ids_and_headers() -> None:
     assert "X-Request-Id" not in HopHeaders().pure()
 
 
+def test_engine_ids_are_the_proxys_own_and_the_public_id_is_renders() -> None:
+    gens = [gen("cmpl-client-0"), gen("cmpl-client-1")]
+    one, two = Rendered.of(gens, "n1"), Rendered.of(gens, "n2")
+    assert one.public_id == two.public_id == "cmpl-client"
+    ids = [g.request_id for g in one.gens + two.gens]
+    assert len(set(ids)) == 4 and not any("client" in str(i) for i in ids)
+
+
 def test_an_error_payload_mid_stream_is_an_upstream_error() -> None:
     with pytest.raises(UpstreamError, match="decode failed mid-stream"):
         generate_chunk(b'{"error": {"message": "boom"}}')
@@ -163,7 +172,7 @@ def stream_flow(n: int = 2, prompts: int = 2, usage: str = "") -> StreamFlow:
     body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true' + usage.encode()
     client = CHAT_REQUEST.decode(body + b"}")
     gens = [gen(f"req-{p}", n=n) for p in range(prompts)]
-    return StreamFlow(CHAT, client, body, gens)
+    return StreamFlow(CHAT, client, body, Rendered.of(gens, "nonce"))
 
 
 def test_choices_are_remapped_across_prompts_and_n() -> None:
