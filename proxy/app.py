@@ -159,7 +159,7 @@ def make_app(config: ProxyConfig) -> web.Application:
         max_body=config.max_body_bytes,
     )
     app[CONFIG], app[METRICS] = config, metrics
-    app[ADMISSION] = Admission(config.max_in_flight, config.max_in_flight)
+    app[ADMISSION] = Admission(config.max_in_flight, config.max_queued)
     app.cleanup_ctx.append(hops_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 
+from tokenline.shared.config import Option, Port, Positive
 from tokenline.shared.errors import NotFound
 from tokenline.shared.http import json_response
 from tokenline.shared.metrics import ServiceMetrics
@@ -19,32 +19,23 @@ class ModelService(msgspec.Struct, frozen=True, kw_only=True):
     """Base of a tokenizer-owning service's config."""
 
     model: str
+    """Model directory (HF layout)."""
     served_model_names: tuple[str, ...] = ()
-    max_model_len: int | None = None
+    """Names the model answers to (default: the model path)."""
+    max_model_len: Positive | None = None
+    """Context length (default: the model's max_position_embeddings)."""
     host: str = "127.0.0.1"
-    port: int = 0
+    """Address to listen on."""
+    port: Port = 0
+    """Port to listen on."""
 
     @property
     def names(self) -> tuple[str, ...]:
         return self.served_model_names or (self.model,)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, port: int) -> None:
-    parser.add_argument("--model", required=True, help="model directory (HF layout)")
-    parser.add_argument("--served-model-name", nargs="+", default=[])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=port)
-
-
-def model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": args.model,
-        "served_model_names": tuple(args.served_model_name),
-        "max_model_len": args.max_model_len,
-        "host": args.host,
-        "port": args.port,
-    }
+MODEL_OPTIONS = {"served_model_names": Option(flag="--served-model-name")}
+"""`CommandLine` options for `ModelService`'s fields (vLLM's flag names)."""
 
 
 def served_name(requested: str | None, names: tuple[str, ...]) -> str:

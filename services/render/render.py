@@ -15,13 +15,9 @@ from typing import Any
 import jinja2
 import msgspec
 
-from tokenline.services.render.sampling import (
-    MAX_LOGPROBS,
-    check_token_ids,
-    max_tokens_for,
-    sampling_params,
-)
+from tokenline.services.render.sampling import check_token_ids, max_tokens_for, sampling_params
 from tokenline.shared.errors import BadRequest
+from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.served import served_name
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from tokenline.shared.errors import BadRequest
+from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.tokenizer import SAMPLING_DEFAULTS, ModelTokenizer
 from tokenline.shared.wire import ChatCompletionRequest, CompletionRequest, SamplingParams
 
 OUTPUT_DELTA, OUTPUT_FINAL_ONLY = 1, 2
-MAX_LOGPROBS = 20
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
