@@ -64,6 +64,7 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
         for pool in pools.all():
             await pool.resolve()
             metrics.track_pool(pool.role, pool.in_flight)
+        await asyncio.gather(*(pool.check(session) for pool in pools.all()))
         policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
         derender = derender_transport(config, session, pools.derender, policy, metrics)
         hops = Hops(session, pools, policy, metrics, derender)
@@ -130,14 +131,14 @@ async def health(request: web.Request) -> web.Response:
     report = {
         p.role: {
             "configured": p.configured,
-            "healthy": len(p.healthy()),
+            "healthy": len(p.serving()),
             "replicas": len(p.workers),
             "in_flight": p.in_flight(),
         }
         for p in pools.all()
     }
-    ready = all(p.healthy() for p in (pools.render, pools.derender, pools.decode))
-    ready = ready and (not pools.prefill.configured or bool(pools.prefill.healthy()))
+    ready = all(p.serving() for p in (pools.render, pools.derender, pools.decode))
+    ready = ready and (not pools.prefill.configured or bool(pools.prefill.serving()))
     return json_response(
         {"status": "ok" if ready else "degraded", "pools": report}, status=200 if ready else 503
     )

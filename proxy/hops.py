@@ -20,8 +20,8 @@ import aiohttp
 
 from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pools, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.pool import Pool, Pools, Worker
+from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, stream_payloads
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
@@ -114,7 +114,9 @@ class Hops:
         worker = pool.choose()
         body = JSON.encode(gen)
         call = post(self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen))
-        return GENERATE_RESPONSE.decode(await self._timed("decode", call))
+        with reported(pool, worker):
+            data = await self._timed("decode", call)
+        return GENERATE_RESPONSE.decode(data)
 
     def generate_stream(
         self, gen: GenerateRequest, headers: HopHeaders
@@ -123,7 +125,8 @@ class Hops:
         pool = self.pools.decode
         worker = pool.choose()
         body = JSON.encode(gen)
-        return worker, stream_payloads(self.session, pool, worker, body, headers.generate(gen))
+        source = stream_payloads(self.session, pool, worker, body, headers.generate(gen))
+        return worker, _reported(pool, worker, source)
 
     async def behind_prefill(
         self,
@@ -167,3 +170,12 @@ class Hops:
         """Give pending aborts a moment to go out (at shutdown)."""
         if self.background:
             await asyncio.wait(list(self.background), timeout=ABORT_GRACE)
+
+
+async def _reported(
+    pool: Pool, worker: Worker, source: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """`source`, its outcome reported to the pool (a stream left early reports nothing)."""
+    with reported(pool, worker):
+        async for payload in source:
+            yield payload

@@ -1,10 +1,12 @@
-"""Replica pools: discovery, active health checks, least-in-flight choice.
+"""Replica pools: discovery, active health checks, a circuit breaker per replica,
+least-in-flight choice.
 
 A configured URL whose hostname resolves to several addresses (how `docker compose --scale` and
 a Kubernetes headless Service expose replicas) is several workers; names are re-resolved
-periodically. A background task checks `/health` on every worker: failing ones leave the
-rotation and recovered ones come back. A worker that fails a request is also marked down at once
-(the health loop brings it back).
+periodically, and a newly found replica takes traffic only after its first passing check.
+Replicas leave the rotation through their `Breaker`: only the replica's own faults count
+(transport failures, timeouts, 5xx answers without an error envelope, failed health checks),
+never a request's own failure, so no request can eject a replica.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -26,14 +29,77 @@ from tokenline.shared.errors import UpstreamUnavailable
 log = logging.getLogger(__name__)
 
 
+BreakerState = Literal["unchecked", "closed", "open", "half_open"]
+
+
+@dataclass
+class Breaker:
+    """A replica's circuit breaker (pure: outcomes in, admission out).
+
+    unchecked --first passing check--> closed --`threshold` consecutive faults (or one
+    certain: nothing listens)--> open --`recover` passing checks--> half_open --a request
+    succeeds--> closed; any fault while half open opens it again. Half open admits one request
+    at a time (the probe).
+    """
+
+    threshold: int = 3
+    recover: int = 2
+    state: BreakerState = "closed"
+    faults: int = 0
+    passes: int = 0
+
+    def admits(self, in_flight: int) -> bool:
+        return self.state == "closed" or (self.state == "half_open" and in_flight == 0)
+
+    def checked(self, ok: bool) -> None:
+        if ok:
+            self._passed()
+        else:
+            self.fault(certain=self.state == "unchecked")
+
+    def succeeded(self) -> None:
+        self.faults = 0
+        if self.state == "half_open":
+            self.state = "closed"
+
+    def fault(self, certain: bool = False) -> None:
+        self.faults += 1
+        self.passes = 0
+        if certain or self.state == "half_open" or self.faults >= self.threshold:
+            self.state = "open"
+
+    def _passed(self) -> None:
+        if self.state == "unchecked":
+            self.state, self.faults = "closed", 0
+        elif self.state == "open":
+            self.passes += 1
+            if self.passes >= self.recover:
+                self.state, self.faults = "half_open", 0
+        elif self.state == "closed":
+            self.faults = 0
+
+
 @dataclass(eq=False)
 class Worker:
     url: str
     source: str  # the configured URL this worker was discovered from
-    healthy: bool = True
     in_flight: int = 0
-    failures: int = 0
+    breaker: Breaker = field(default_factory=Breaker)
     last_check: float = field(default=0.0)
+
+    @property
+    def healthy(self) -> bool:
+        """Takes requests now (see `Breaker`)."""
+        return self.breaker.admits(self.in_flight)
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:  # for tests and operators: force a state
+        self.breaker.state = "closed" if value else "open"
+
+    @property
+    def serving(self) -> bool:
+        """In the rotation (closed, or half open with a probe perhaps in flight)."""
+        return self.breaker.state in ("closed", "half_open")
 
 
 def least_in_flight(workers: Sequence[Worker]) -> Worker:
@@ -93,7 +159,12 @@ class Pool:
         return bool(self.urls)
 
     def healthy(self) -> list[Worker]:
+        """Workers that take a request now."""
         return [w for w in self.workers if w.healthy]
+
+    def serving(self) -> list[Worker]:
+        """Workers in the rotation (for /health)."""
+        return [w for w in self.workers if w.serving]
 
     def in_flight(self) -> int:
         return sum(w.in_flight for w in self.workers)
@@ -112,11 +183,17 @@ class Pool:
         finally:
             worker.in_flight -= 1
 
-    def mark_down(self, worker: Worker, reason: str) -> None:
-        if worker.healthy:
+    def failed(self, worker: Worker, reason: str, certain: bool = False) -> None:
+        """`worker` failed a request by its own fault (never call this for a request's own)."""
+        was = worker.breaker.state
+        worker.breaker.fault(certain)
+        if worker.breaker.state == "open" and was != "open":
             log.warning("pool.down role=%s worker=%s reason=%s", self.role, worker.url, reason)
-        worker.healthy = False
-        worker.failures += 1
+
+    def succeeded(self, worker: Worker) -> None:
+        if worker.breaker.state == "half_open":
+            log.info("pool.up role=%s worker=%s", self.role, worker.url)
+        worker.breaker.succeeded()
 
     async def resolve(self) -> None:
         """Re-expand every configured URL; keep state of workers that remain."""
@@ -124,7 +201,10 @@ class Pool:
         fresh: list[Worker] = []
         for url in self.urls:
             for expanded in await expand(url):
-                fresh.append(known.get(expanded) or Worker(expanded, url))
+                found = known.get(expanded)
+                if found is None:  # a new replica enters after its first passing check
+                    found = Worker(expanded, url, breaker=Breaker(state="unchecked"))
+                fresh.append(found)
         self.workers = fresh
 
     async def check(self, session: aiohttp.ClientSession) -> None:
@@ -138,11 +218,14 @@ class Pool:
                 ok = resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             ok = False
-        if ok and not worker.healthy:
-            log.info("pool.up role=%s worker=%s", self.role, worker.url)
-        if not ok:
-            self.mark_down(worker, "health check failed")
-        worker.healthy, worker.last_check = ok, time.monotonic()
+        was = worker.breaker.state
+        worker.breaker.checked(ok)
+        worker.last_check = time.monotonic()
+        now = worker.breaker.state
+        if now != was and now in ("closed", "half_open"):
+            log.info("pool.up role=%s worker=%s state=%s", self.role, worker.url, now)
+        elif now != was and now == "open":
+            log.warning("pool.down role=%s worker=%s reason=health check", self.role, worker.url)
 
 
 @dataclass

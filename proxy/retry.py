@@ -11,9 +11,10 @@ retried. Generate calls that may have reached an engine are not retried here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -39,6 +40,21 @@ class RetryPolicy:
         return float(min(self.cap, self.base * 2**attempt) * (0.5 + self.rng.random()))
 
 
+@contextlib.contextmanager
+def reported(pool: Pool, worker: Worker) -> Iterator[None]:
+    """Tell `pool` how a call on `worker` went: a replica fault counts against its breaker
+    (unreachable: at once), success closes a half-open one, a request's own failure is neither."""
+    try:
+        yield
+    except UpstreamRejected:
+        raise
+    except ServiceError as exc:
+        pool.failed(worker, exc.message, certain=isinstance(exc, UpstreamUnavailable))
+        raise
+    else:
+        pool.succeeded(worker)
+
+
 async def on_replicas(
     pool: Pool,
     policy: RetryPolicy,
@@ -62,12 +78,12 @@ async def on_replicas(
         worker = pool.choose(exclude=tried)
         tried.append(worker)
         try:
-            return await call(worker)
+            with reported(pool, worker):
+                return await call(worker)
         except UpstreamRejected:
-            raise
+            raise  # the request's own failure: not retried, the replica stays
         except ServiceError as exc:
             last = exc
-            pool.mark_down(worker, exc.message)
         if time.monotonic() >= deadline or attempt + 1 == policy.attempts:
             break
         if policy.sleep:

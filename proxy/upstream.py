@@ -24,7 +24,8 @@ from tokenline.shared.errors import (
 )
 from tokenline.shared.wire import ERROR
 
-RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+REPLICA_STATUSES = frozenset({408, 429, 502, 503, 504})
+"""Answers that say the replica (not the request) is in trouble, even with an envelope."""
 GENERATE_PATH = "/inference/v1/generate"
 
 
@@ -44,13 +45,19 @@ def translated(role: str, worker: Worker) -> Iterator[None]:
 
 
 def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> ServiceError:
-    """An error answer as ours: the request's fault (4xx with an envelope) or the replica's."""
+    """An error answer as ours.
+
+    An answer in the error envelope is the replica working as designed on a request it could
+    not serve: the client gets it as it is (`UpstreamRejected`), nothing is retried and the
+    replica stays in rotation, unless its status says the replica is in trouble (408, 429,
+    502-504). Anything else (no envelope: a crash, a proxy page) is the replica's fault.
+    """
     try:
         envelope = ERROR.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         text = body[:500].decode(errors="replace")
         return UpstreamError(f"{role} {worker.url} answered {status}: {text}")
-    if 400 <= status < 500 and status not in RETRYABLE:
+    if status not in REPLICA_STATUSES:
         return UpstreamRejected(status, envelope)
     return UpstreamError(f"{role} {worker.url} answered {status}: {envelope.error.message}")
 

@@ -3,13 +3,12 @@ mid-stream, a dead decode replica is a clear error, bad IDs never reach the engi
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import json
 import signal
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -209,7 +208,11 @@ def _assembled(raw: bytes) -> dict[str, object]:
     ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
 )
 def test_every_derender_transport_gives_the_same_answers(
-    fleet: Fleet, pipeline: Pipeline, tiny_model: Path, transport: str, derender_args: tuple[str, ...]
+    fleet: Fleet,
+    pipeline: Pipeline,
+    tiny_model: Path,
+    transport: str,
+    derender_args: tuple[str, ...],
 ) -> None:
     """The ZMQ channel (msgpack frames) and cross-stream batching are other hops, not another
     behavior: the same streams as over vLLM's HTTP derender routes, two derender replicas."""

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tokenline.proxy.pool import Pool, Worker, expand, least_in_flight
+from tokenline.proxy.pool import Breaker, Pool, Worker, expand, least_in_flight
 from tokenline.shared.errors import UpstreamUnavailable
 
 
@@ -52,7 +52,57 @@ async def test_health_checks_take_out_and_bring_back() -> None:
         assert pool.healthy()
         up["ok"] = False
         await pool.check(session)
+        assert pool.healthy()  # one failed check is not enough to eject
+        await pool.check(session)
+        await pool.check(session)
         assert pool.healthy() == []
         up["ok"] = True
         await pool.check(session)
+        assert pool.healthy() == []  # re-admission takes passing checks
+        await pool.check(session)
+        assert [w.breaker.state for w in pool.workers] == ["half_open"]
+        (worker,) = pool.healthy()  # half open: one probe request at a time
+        with pool.lease(worker):
+            assert pool.healthy() == []
+        pool.succeeded(worker)
+        assert [w.breaker.state for w in pool.workers] == ["closed"]
+
+
+async def test_a_new_replica_enters_after_its_first_passing_check() -> None:
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        url = str(server.make_url("")).rstrip("/")
+        pool = Pool("render", ("http://localhost:1",))
+        pool.urls = (url,)  # as if DNS now answered with a new address
+        await pool.resolve()
+        assert pool.healthy() == [] and pool.serving() == []
+        await pool.check(session)
         assert len(pool.healthy()) == 1
+
+
+def test_the_breaker_opens_on_faults_and_probes_before_closing() -> None:
+    breaker = Breaker()
+    breaker.fault()
+    breaker.fault()
+    assert breaker.admits(0)
+    breaker.succeeded()  # a success resets the count
+    breaker.fault()
+    breaker.fault()
+    assert breaker.state == "closed"
+    breaker.fault()
+    assert breaker.state == "open" and not breaker.admits(0)
+    breaker.checked(True)
+    breaker.checked(False)  # passes must be consecutive
+    breaker.checked(True)
+    assert breaker.state == "open"
+    breaker.checked(True)
+    assert breaker.state == "half_open" and breaker.admits(0) and not breaker.admits(1)
+    breaker.fault()
+    assert breaker.state == "open"  # a failed probe opens it again
+    certain = Breaker()
+    certain.fault(certain=True)
+    assert certain.state == "open"

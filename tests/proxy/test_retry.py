@@ -22,7 +22,7 @@ def pool(*urls: str) -> Pool:
     return Pool("derender", urls)
 
 
-async def test_a_failing_replica_is_marked_down_and_another_answers() -> None:
+async def test_a_failing_replica_counts_a_fault_and_another_answers() -> None:
     p = pool("a", "b")
     seen: list[str] = []
 
@@ -34,6 +34,21 @@ async def test_a_failing_replica_is_marked_down_and_another_answers() -> None:
 
     assert await on_replicas(p, NO_SLEEP, call) == "b"
     assert seen == ["a", "b"]
+    assert p.workers[0].breaker.faults == 1 and p.workers[0].healthy  # one fault: still in
+    for _ in range(2):
+        await on_replicas(p, NO_SLEEP, call)
+    assert [w.url for w in p.healthy()] == ["b"]  # three in a row: out
+
+
+async def test_an_unreachable_replica_is_out_at_once() -> None:
+    p = pool("a", "b")
+
+    async def call(w: Worker) -> str:
+        if w.url == "a":
+            raise UpstreamUnavailable("a unreachable: connection refused")
+        return w.url
+
+    assert await on_replicas(p, NO_SLEEP, call) == "b"
     assert [w.url for w in p.healthy()] == ["b"]
 
 
@@ -60,7 +75,7 @@ async def test_attempts_are_bounded_and_the_last_error_raised() -> None:
 
     with pytest.raises(UpstreamError, match="c broke"):
         await on_replicas(p, RetryPolicy(attempts=3, sleep=False), call)
-    assert len(p.healthy()) == 3
+    assert [w.breaker.faults for w in p.workers] == [1, 1, 1, 0, 0, 0]
 
 
 async def test_no_replica_left_is_unavailable() -> None:
