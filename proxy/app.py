@@ -15,7 +15,7 @@ from aiohttp import web
 from tokenline.proxy.admission import Admission
 from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.hops import Hops
+from tokenline.proxy.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, maintained
 from tokenline.proxy.retry import RetryPolicy
@@ -58,8 +58,8 @@ def derender_transport(
 async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout, sock_connect=3)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    timeouts = Timeouts.of(config)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeouts.pure) as session:
         pools = pools_of(config)
         for pool in pools.all():
             await pool.resolve()
@@ -67,7 +67,7 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(*(pool.check(session) for pool in pools.all()))
         policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
         derender = derender_transport(config, session, pools.derender, policy, metrics)
-        hops = Hops(session, pools, policy, metrics, derender)
+        hops = Hops(session, pools, policy, metrics, derender, timeouts)
         app[HOPS] = hops
         try:
             async with maintained(pools, session, config.health_interval, config.resolve_interval):

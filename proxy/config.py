@@ -42,7 +42,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     resolve_interval: Seconds = 10.0
     retry_attempts: Positive = 3
     retry_timeout: Seconds = 10.0
-    request_timeout: Seconds = 600.0
+    connect_timeout: Seconds = 3.0
+    """Seconds to open a connection to any replica."""
+    hop_timeout: Seconds = 60.0
+    """Seconds render or derender may take to answer one call (then: another replica)."""
+    first_token_timeout: Seconds = 600.0
+    """Seconds generate may take to start answering (a whole answer: to finish it)."""
+    stream_idle_timeout: Seconds = 120.0
+    """Seconds a generate stream may stay silent between chunks before it counts as hung."""
 
 
 def _url(text: str) -> str:
@@ -70,7 +77,6 @@ CLI = CommandLine(
         "resolve_interval",
         "retry_attempts",
         "retry_timeout",
-        "request_timeout",
     },
 )
 

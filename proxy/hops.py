@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, Worker
@@ -41,6 +42,32 @@ class Prefilled:
     kv: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """Per hop; never a total limit, so a healthy long stream is never cut."""
+
+    pure: aiohttp.ClientTimeout
+    """render and derender: connect, then the whole answer."""
+    generate_whole: aiohttp.ClientTimeout
+    generate_stream: aiohttp.ClientTimeout
+    """connect, then the first byte, then at most this long between chunks."""
+
+    @classmethod
+    def of(cls, config: ProxyConfig) -> Timeouts:
+        connect = config.connect_timeout
+        return cls(
+            pure=aiohttp.ClientTimeout(
+                total=None, sock_connect=connect, sock_read=config.hop_timeout
+            ),
+            generate_whole=aiohttp.ClientTimeout(
+                total=None, sock_connect=connect, sock_read=config.first_token_timeout
+            ),
+            generate_stream=aiohttp.ClientTimeout(
+                total=None, sock_connect=connect, sock_read=config.stream_idle_timeout
+            ),
+        )
+
+
 @dataclass
 class Hops:
     session: aiohttp.ClientSession
@@ -48,6 +75,7 @@ class Hops:
     policy: RetryPolicy
     metrics: ProxyMetrics
     derender: DerenderTransport
+    timeouts: Timeouts
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def _timed(self, hop: str, call: Awaitable[T]) -> T:
@@ -113,7 +141,8 @@ class Hops:
         pool = self.pools.decode
         worker = pool.choose()
         body = JSON.encode(gen)
-        call = post(self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen))
+        hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
+        call = post(self.session, pool, worker, GENERATE_PATH, body, hdrs, timeout)
         with reported(pool, worker):
             data = await self._timed("decode", call)
         return GENERATE_RESPONSE.decode(data)
@@ -125,7 +154,9 @@ class Hops:
         pool = self.pools.decode
         worker = pool.choose()
         body = JSON.encode(gen)
-        source = stream_payloads(self.session, pool, worker, body, headers.generate(gen))
+        source = stream_payloads(
+            self.session, pool, worker, body, headers.generate(gen), self.timeouts.generate_stream
+        )
         return worker, _reported(pool, worker, source)
 
     async def behind_prefill(

@@ -69,10 +69,14 @@ async def post(
     path: str,
     body: bytes,
     headers: Mapping[str, str],
+    limits: aiohttp.ClientTimeout | None = None,
 ) -> bytes:
-    """POST `body` to `worker` and return the answer; error answers raise."""
+    """POST `body` to `worker` and return the answer; error answers raise. `limits`: the
+    session's unless given."""
     with pool.lease(worker), translated(pool.role, worker):
-        async with session.post(worker.url + path, data=body, headers=headers) as resp:
+        async with session.post(
+            worker.url + path, data=body, headers=headers, timeout=limits or session.timeout
+        ) as resp:
             data = await resp.read()
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, data)
@@ -85,11 +89,14 @@ async def stream_payloads(
     worker: Worker,
     body: bytes,
     headers: Mapping[str, str],
+    limits: aiohttp.ClientTimeout,
 ) -> AsyncIterator[bytes]:
     """The SSE `data:` payloads of a streaming generate call. Leaving early closes the
     connection, which aborts the request in vLLM."""
     with pool.lease(worker), translated(pool.role, worker):
-        async with session.post(worker.url + GENERATE_PATH, data=body, headers=headers) as resp:
+        async with session.post(
+            worker.url + GENERATE_PATH, data=body, headers=headers, timeout=limits
+        ) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
             async for line in resp.content:

@@ -51,7 +51,8 @@ def answer_for(item: dict[str, object]) -> dict[str, object]:
 
 
 class FakeDerender:
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, hang: bool = False) -> None:
+        self.hang = hang
         self.batches: list[int] = []
         self.singles: list[bytes] = []
         self.fail = fail
@@ -67,6 +68,8 @@ class FakeDerender:
         return web.json_response([answer_for(i) for i in items])
 
     async def single(self, request: web.Request) -> web.Response:
+        if self.hang:
+            await asyncio.sleep(30)
         self.singles.append(await request.read())
         body = answer_for(json.loads(self.singles[-1]))
         return web.json_response(body, status=400 if "error" in body else 200)
@@ -164,3 +167,20 @@ async def test_http_sends_the_clients_own_bytes(session: aiohttp.ClientSession) 
     finally:
         for s in servers:
             await s.close()
+
+
+async def test_a_hung_replica_times_out_and_another_answers() -> None:
+    hung, fine = FakeDerender(hang=True), FakeDerender()
+    pool, servers = await serve([hung, fine])
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=1, sock_read=0.3)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        transport = HttpDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+        try:
+            for token in range(3):  # least-in-flight tries the hung one first each time
+                got = await transport.stream(call(token))
+                assert got.chunk.choices[0].delta.content == str(token)
+            assert pool.workers[0].breaker.state == "open"  # three timeouts in a row
+            assert len(fine.singles) == 3
+        finally:
+            for s in servers:
+                await s.close()
