@@ -120,6 +120,14 @@ class ModelTokenizer:
         return int(self.config.get("vocab_size") or self.tokenizer_size)
 
     @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token can stand for (its byte-level form is
+        at least as long as its text), so `max_model_len` tokens hold at most that many times
+        this."""
+        vocab = self.rust.get_vocab(with_added_tokens=True)
+        return max(len(piece) for piece in vocab) if vocab else 1
+
+    @cached_property
     def added_tokens(self) -> dict[int, str]:
         return {i: t.content for i, t in self.rust.get_added_tokens_decoder().items()}
 
@@ -206,14 +214,12 @@ class ModelTokenizer:
         final = ""
         if continue_final_message:
             final, messages = _tag_final_message(messages, source)
-        context = {**self.special_tokens_map, **(kwargs or {})}
-        rendered = self._compiled(source).render(
-            messages=messages,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **context,
-        )
+        # The request's template kwargs override the defaults (`documents` among them), as
+        # keys of one context: never a duplicate keyword argument.
+        context = {"documents": None, **self.special_tokens_map, **(kwargs or {})}
+        context |= {"messages": messages, "tools": tools}
+        context["add_generation_prompt"] = add_generation_prompt
+        rendered = self._compiled(source).render(context)
         return _cut_at_tag(rendered, final) if continue_final_message else rendered
 
 

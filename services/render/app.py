@@ -43,6 +43,7 @@ def settings_for(config: RenderConfig, tok: ModelTokenizer) -> RenderSettings:
         served_model_names=config.names,
         max_model_len=config.max_model_len or tok.max_position_embeddings,
         trust_request_chat_template=config.trust_request_chat_template,
+        bounds=config.bounds(),
     )
 
 

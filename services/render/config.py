@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
+from tokenline.services.render.bounds import Bounds
 from tokenline.shared.config import CommandLine, Option, Port, Positive
 from tokenline.shared.served import MODEL_OPTIONS, ModelService
 
@@ -23,6 +24,22 @@ class RenderConfig(ModelService, frozen=True, kw_only=True):
     """A Jinja template overriding the model's (on the command line: a file, read at start)."""
     trust_request_chat_template: bool = False
     """Accept a `chat_template` sent in a request."""
+    max_stops: Positive = 128
+    """Stop strings a request may send."""
+    max_stop_chars: Positive = 1024
+    """Characters per stop string."""
+    max_choices: Positive = 1024
+    """Prompts × n one request may ask for."""
+    max_logprob_entries: Positive = 2_000_000
+    """(logprobs + 1) × max_tokens × choices a response may carry."""
+
+    def bounds(self) -> Bounds:
+        return Bounds(
+            max_stops=self.max_stops,
+            max_stop_chars=self.max_stop_chars,
+            max_choices=self.max_choices,
+            max_logprob_entries=self.max_logprob_entries,
+        )
 
 
 CLI = CommandLine(

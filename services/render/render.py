@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 import msgspec
 
-from tokenline.services.render.sampling import check_token_ids, max_tokens_for, sampling_params
+from tokenline.services.render.bounds import (
+    Bounds,
+    check_choices,
+    check_logprob_entries,
+    check_prompt_chars,
+    check_stops,
+)
+from tokenline.services.render.sampling import (
+    check_token_ids,
+    max_tokens_for,
+    sampling_params,
+    stop_list,
+)
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.served import served_name
@@ -30,6 +42,19 @@ from tokenline.shared.wire import (
     TokenIds,
 )
 
+# What a chat template can raise on input it was not written for (a number where it iterates,
+# a missing key, nesting too deep): the request's fault, never the replica's.
+TEMPLATE_FAILURES = (
+    jinja2.TemplateError,
+    TypeError,
+    ValueError,
+    KeyError,
+    IndexError,
+    AttributeError,
+    RecursionError,
+    OverflowError,
+)
+
 
 @dataclass(frozen=True)
 class RenderSettings:
@@ -39,6 +64,7 @@ class RenderSettings:
     max_model_len: int
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    bounds: Bounds = field(default_factory=Bounds)
 
 
 def random_id() -> str:
@@ -85,12 +111,12 @@ def _content_text(message: ChatMessage) -> str:
     return "\n".join(p.text or "" for p in content if p.type == "text")
 
 
-def _tool_calls(message: ChatMessage) -> list[dict[str, Any]] | None:
+def _tool_calls(message: ChatMessage, index: int) -> list[dict[str, Any]] | None:
     """Tool-call arguments as dicts, as templates expect (vLLM parses the JSON string)."""
     if not message.tool_calls:
         return None
     calls = []
-    for call in message.tool_calls:
+    for j, call in enumerate(message.tool_calls):
         raw = msgspec.to_builtins(call)
         args = call.function.arguments
         if isinstance(args, str):
@@ -98,6 +124,11 @@ def _tool_calls(message: ChatMessage) -> list[dict[str, Any]] | None:
                 parsed = json.loads(args) if args else {}
             except json.JSONDecodeError:
                 parsed = {}
+            except RecursionError as exc:
+                raise BadRequest(
+                    "tool call arguments are nested too deeply",
+                    param=f"messages[{index}].tool_calls[{j}].function.arguments",
+                ) from exc
             raw["function"]["arguments"] = parsed if isinstance(parsed, dict) else {}
         elif args is None:
             raw["function"]["arguments"] = {}
@@ -108,13 +139,13 @@ def _tool_calls(message: ChatMessage) -> list[dict[str, Any]] | None:
 def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
     """Messages as the chat template sees them."""
     out = []
-    for message in messages:
+    for index, message in enumerate(messages):
         text = _content_text(message)
         item: dict[str, Any] = {
             "role": message.role,
             "content": [{"type": "text", "text": text}] if content_format == "openai" else text,
         }
-        if message.role == "assistant" and (calls := _tool_calls(message)) is not None:
+        if message.role == "assistant" and (calls := _tool_calls(message, index)) is not None:
             item["tool_calls"] = calls
         if message.role == "assistant" and message.reasoning is not None:
             item["reasoning"] = item["reasoning_content"] = message.reasoning
@@ -171,17 +202,42 @@ def chat_prompt(
     template = request.chat_template or kwargs.pop("chat_template", None)
     _check_tool_choice(request)
     tools = None if request.tools is None else [msgspec.to_builtins(t) for t in request.tools]
-    try:
+    messages = conversation(request.messages, tok.content_format)
+
+    def apply(tools: list[Any] | None, kwargs: dict[str, Any]) -> str:
         return tok.apply_chat_template(
-            conversation(request.messages, tok.content_format),
+            messages,
             tools=tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             template=template,
             kwargs=kwargs,
         )
-    except jinja2.TemplateError as exc:
-        raise BadRequest(f"chat template error: {exc}", param="messages") from exc
+
+    try:
+        return apply(tools, kwargs)
+    except TEMPLATE_FAILURES as exc:
+        param = _template_culprit(apply, tools, kwargs, request)
+        raise BadRequest(f"chat template error: {exc!r}", param=param) from exc
+
+
+def _template_culprit(
+    apply: Any, tools: list[Any] | None, kwargs: dict[str, Any], request: ChatCompletionRequest
+) -> str:
+    """The request field a template failed on: the one whose removal lets it render."""
+    candidates: list[tuple[str, list[Any] | None, dict[str, Any]]] = []
+    if request.chat_template_kwargs:
+        own = {k: v for k, v in kwargs.items() if k not in request.chat_template_kwargs}
+        candidates.append(("chat_template_kwargs", tools, own))
+    if tools:
+        candidates.append(("tools", None, kwargs))
+    for name, without_tools, without_kwargs in candidates:
+        try:
+            apply(without_tools, without_kwargs)
+        except TEMPLATE_FAILURES:
+            continue
+        return name
+    return "messages"
 
 
 def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -231,7 +287,11 @@ def render_chat(
     model = request.model  # vLLM echoes the request's (None: generate uses its default)
     _common_checks(request)
     logprobs = _chat_logprobs(request)
+    bounds = settings.bounds
+    check_stops(stop_list(request.stop), bounds)
+    check_choices(1, request.n, bounds)
     prompt = chat_prompt(request, tok, settings)
+    check_prompt_chars(len(prompt), settings.max_model_len, tok.max_token_chars, "messages")
     token_ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
     if not token_ids:
         raise BadRequest("No token_ids rendered", param="messages")
@@ -243,6 +303,7 @@ def render_chat(
     max_tokens = max_tokens_for(
         requested, param, len(token_ids), settings.max_model_len, tok.generation_defaults()
     )
+    check_logprob_entries(logprobs, max_tokens, request.n, bounds, "top_logprobs")
     request_id = "chatcmpl-" + (header_request_id or request.request_id or random_id())
     return _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
 
@@ -250,16 +311,20 @@ def render_chat(
 # --------------------------------------------------------------------------- completions
 
 
-def prompts_of(request: CompletionRequest, tok: ModelTokenizer) -> list[list[int]]:
+def prompts_of(
+    request: CompletionRequest, tok: ModelTokenizer, settings: RenderSettings
+) -> list[list[int]]:
     """Each prompt as token IDs: str, list[str], list[int] or list[list[int]]."""
     prompt = request.prompt
     add_special = request.add_special_tokens is not False
-    if isinstance(prompt, str):
-        return [tok.encode(prompt, add_special_tokens=add_special)]
-    if not prompt:
+    texts = [prompt] if isinstance(prompt, str) else prompt
+    if not texts:
         raise BadRequest("prompt must not be empty", param="prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return [tok.encode(p, add_special_tokens=add_special) for p in prompt]
+    if all(isinstance(p, str) for p in texts):
+        check_choices(len(texts), request.n, settings.bounds)
+        for text in texts:
+            check_prompt_chars(len(text), settings.max_model_len, tok.max_token_chars, "prompt")
+        return [tok.encode(p, add_special_tokens=add_special) for p in texts]
     try:
         lists = (
             [msgspec.convert(prompt, TokenIds)]
@@ -268,6 +333,7 @@ def prompts_of(request: CompletionRequest, tok: ModelTokenizer) -> list[list[int
         )
     except msgspec.ValidationError as exc:
         raise BadRequest(f"prompt: {exc}", param="prompt") from exc
+    check_choices(len(lists), request.n, settings.bounds)
     for i, ids in enumerate(lists):
         if not ids:
             raise BadRequest(f"prompt {i} is empty", param="prompt")
@@ -293,7 +359,8 @@ def render_completion(
         raise BadRequest(
             f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}.", param="logprobs"
         )
-    prompts = prompts_of(request, tok)
+    check_stops(stop_list(request.stop), settings.bounds)
+    prompts = prompts_of(request, tok, settings)
     base = "cmpl-" + (header_request_id or request.request_id or random_id())
     out = []
     for i, ids in enumerate(prompts):
@@ -303,6 +370,9 @@ def render_completion(
             len(ids),
             settings.max_model_len,
             tok.generation_defaults(),
+        )
+        check_logprob_entries(
+            request.logprobs, max_tokens, len(prompts) * request.n, settings.bounds, "logprobs"
         )
         rid = base if len(prompts) == 1 else f"{base}-{i}"
         out.append(_generate_request(request, rid, ids, model, max_tokens, request.logprobs, tok))

@@ -202,7 +202,8 @@ SERVICES = {
 }
 FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users already use
     "render": "--model --served-model-name --max-model-len --host --port --executor --workers "
-    "--chat-template --trust-request-chat-template",
+    "--chat-template --trust-request-chat-template --max-stops --max-stop-chars --max-choices "
+    "--max-logprob-entries",
     "derender": "--model --served-model-name --max-model-len --host --port --workers --threads "
     "--zmq-port",
     "proxy": "--render --derender --prefill --decode --host --port --api-key "
