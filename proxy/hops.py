@@ -25,7 +25,7 @@ from tokenline.proxy.pool import Pool, Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, stream_payloads
-from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
+from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamFailed, UpstreamRejected
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import GENERATE_RESPONSE, JSON, GenerateRequest, GenerateResponse
 
@@ -126,9 +126,9 @@ class Hops:
         every = RetryPolicy(attempts=len(pool.workers), timeout=self.policy.timeout, sleep=False)
         try:
             kv = await self._timed("prefill", on_replicas(pool, every, once, exclude))
-        except UpstreamRejected:
-            raise
-        except ServiceError:
+        except ServiceError as exc:
+            if _own_fault(exc):
+                raise  # the request's own fault: decode-only would refuse it too
             self.metrics.prefill_fallbacks.inc()
             log.warning(
                 "prefill.fallback request_id=%s: no prefill replica left, decode-only",
@@ -172,10 +172,8 @@ class Hops:
         pre = await self.prefill(gen, headers)
         try:
             return await decode(gen, pre.kv)
-        except UpstreamRejected:
-            raise
-        except ServiceError:
-            if pre.worker is None or not may_retry():
+        except ServiceError as exc:
+            if _own_fault(exc) or pre.worker is None or not may_retry():
                 raise
         self.metrics.retries.inc()
         gen = retry_id(gen)
@@ -210,3 +208,8 @@ async def _reported(
     with reported(pool, worker):
         async for payload in source:
             yield payload
+
+
+def _own_fault(exc: ServiceError) -> bool:
+    """A 4xx: the request's own fault, which no other replica or leg would serve either."""
+    return isinstance(exc, UpstreamRejected) and not isinstance(exc, UpstreamFailed)

@@ -18,6 +18,7 @@ from tokenline.proxy.pool import Pool, Worker
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
+    UpstreamFailed,
     UpstreamRejected,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -57,7 +58,11 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
     except (msgspec.DecodeError, msgspec.ValidationError):
         text = body[:500].decode(errors="replace")
         return UpstreamError(f"{role} {worker.url} answered {status}: {text}")
-    if status not in REPLICA_STATUSES:
+    if status in REPLICA_STATUSES:
+        pass
+    elif status >= 500:
+        return UpstreamFailed(status, envelope)
+    else:
         return UpstreamRejected(status, envelope)
     return UpstreamError(f"{role} {worker.url} answered {status}: {envelope.error.message}")
 

@@ -8,6 +8,9 @@
     ├── PayloadTooLarge          413 BadRequestError
     ├── Overloaded               429 TooManyRequests
     ├── UpstreamRejected         4xx as the hop said           (a hop refused the request)
+    ├── UpstreamFailed           5xx as the hop said           (a hop failed the request in its
+    │                                                          error envelope: not retried on
+    │                                                          another replica, no ejection)
     ├── UpstreamError            502 BadGateway               (a hop answered with an error)
     │   └── UpstreamUnavailable  503 ServiceUnavailableError  (no healthy replica / unreachable)
     └── UpstreamTimeout          504 GatewayTimeout
@@ -93,6 +96,13 @@ class UpstreamRejected(ServiceError):
 
     def __reduce__(self) -> tuple[type[ServiceError], tuple[str], dict[str, object]]:
         return (ServiceError, (self.message,), self.__dict__)
+
+
+class UpstreamFailed(UpstreamRejected):
+    """A hop answered a 5xx in its error envelope: it works, but could not serve this request
+    (a decode that could not pull its KV, an engine error on this input). The client sees it
+    as it is; the replica is not ejected for it. Unlike a rejection, a P/D decode leg that
+    failed so behind a prefill may run once more behind a fresh prefill."""
 
 
 class UpstreamError(ServiceError):

@@ -22,9 +22,10 @@ def every_error_class() -> list[type[ServiceError]]:
 
 
 def instance(cls: type[ServiceError]) -> ServiceError:
-    if cls is errors.UpstreamRejected:
-        envelope = ErrorEnvelope(error=ErrorInfo(message="m", type="BadRequestError", code=422))
-        return cls(422, envelope)  # type: ignore[call-arg]
+    if issubclass(cls, errors.UpstreamRejected):
+        status = 500 if cls is errors.UpstreamFailed else 422
+        envelope = ErrorEnvelope(error=ErrorInfo(message="m", type="BadRequestError", code=status))
+        return cls(status, envelope)  # type: ignore[call-arg]
     return cls("m", param="p")
 
 
