@@ -7,9 +7,10 @@ none of render, derender or proxy imports torch or vLLM.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
+
+GENERATE_START_S = 600.0  # vLLM on a busy CPU can take minutes to load and warm up
 
 
 def _render(args: argparse.Namespace, extra: list[str]) -> int:
@@ -45,9 +46,18 @@ def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokenline.services.generate.launcher import from_args, run
+    from tokenline.launch.process import Process, run_foreground
+    from tokenline.services.generate.launcher import command, environment, from_args
 
-    return run(from_args(args, extra))
+    config = from_args(args, extra)
+    vllm = Process(
+        f"generate[{config.role}]",
+        command(config),
+        config.port,
+        env=environment(config),
+        host=config.host,
+    )
+    return run_foreground(vllm, GENERATE_START_S)
 
 
 def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
@@ -58,20 +68,15 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
-    # The benchmark lives with the tests (it starts the same real servers); it runs from a
-    # source checkout, whose root must be importable.
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "tests" / "bench" / "pipeline.py").exists():
-        raise SystemExit("tokenline bench runs from a source checkout (tests/bench/)")
-    sys.path.insert(0, str(root))
-    bench = importlib.import_module("tokenline.launch.bench.pipeline")
-    return int(bench.main(extra))
+    from tokenline.launch.bench.pipeline import main as bench
+
+    return bench(extra)
 
 
 def _up(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokenline.launch.up import run_up
+    from tokenline.launch.up import from_args, run_up
 
-    return run_up(args)
+    return run_up(from_args(args))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,6 +113,12 @@ def parser() -> argparse.ArgumentParser:
     mk.add_argument("dir")
     mk.set_defaults(fn=_make_model)
     return top
+
+
+def child_argv(*args: str) -> list[str]:
+    """The command line running `tokenline *args` with this interpreter: a child started from
+    it uses the same installation, venv or not, console script on PATH or not."""
+    return [sys.executable, "-m", "tokenline.launch.cli", *args]
 
 
 def main(argv: list[str] | None = None) -> None:

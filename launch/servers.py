@@ -1,208 +1,122 @@
-"""Real servers for tests: vLLM (tokens-only engine, monolithic oracle, vLLM's render server)
-and tokenline's own services, each a subprocess on a loopback port, stopped by process group."""
+"""The servers tests and benchmarks start: vLLM (tokens-only engine, monolithic oracle, vLLM's
+render server, P/D roles) and tokenline's own services, each a `Process` on a loopback port,
+logging to `build/test-logs/<name>.log` under the working directory.
+
+vLLM's command lines come from `tokenline.services.generate.launcher`, the one place that builds
+them: every vLLM here runs with the same engine flags, so outputs compare bit for bit.
+"""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 
-from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
+from tokenline.launch.cli import child_argv
+from tokenline.launch.process import Process, free_port, start_all
+from tokenline.services.generate.launcher import (
+    GenerateConfig,
+    Mode,
+    Role,
+    command,
+    environment,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
-LOGS = REPO / "build" / "test-logs"
-VLLM_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
-# Shared by every vLLM a test starts, so outputs are comparable bit for bit.
-ENGINE_ARGS = [
-    "--max-model-len",
-    "2048",
-    "--dtype",
-    "float32",
-    "--enforce-eager",
-    "--distributed-executor-backend",
-    "uni",
+__all__ = [
+    "REPO",
+    "VENV_BIN",
+    "Server",
+    "build_dir",
+    "free_port",
+    "generate_double",
+    "generate_role",
+    "log_file",
+    "oracle",
+    "start_all",
+    "tokenline",
+    "tokens_only",
+    "vllm",
+    "vllm_render",
+    "workdir",
 ]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def vllm_bin() -> str:
-    path = VENV_BIN / "vllm"
-    if not path.exists():
-        raise RuntimeError(
-            f"vLLM is not installed in {VENV_BIN}: run scripts/setup.sh first. "
-            "Tests that need vLLM never skip."
-        )
-    return str(path)
+# The checkout this module runs from, for tests that read its files (tests/test_deploy.py).
+# Installed from a wheel it is site-packages: nothing here writes under it.
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+Server = Process  # the name tests use
 
 
-@dataclass
-class Server:
-    """A subprocess serving HTTP on `port`; `start()` returns at once, `wait()` until healthy."""
-
-    name: str
-    argv: list[str]
-    port: int
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen[bytes] | None = None
-    ready: tuple[int, ...] = (200,)  # /health statuses that mean "up" (503: up, degraded)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return LOGS / f"{self.name}.log"
-
-    def start(self) -> Server:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                self.argv,
-                env={**os.environ, **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def wait(self, timeout: float = 300.0) -> Server:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail}")
-            if self.healthy():
-                return self
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} not healthy after {timeout} s (log: {self.log_path})")
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                return bool(resp.status in self.ready)
-        except urllib.error.HTTPError as exc:
-            return exc.code in self.ready
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+def workdir(env: Mapping[str, str] = os.environ) -> Path:
+    """Where launched servers and benchmarks keep their files: $TOKENLINE_WORKDIR, else the
+    current directory (tests point it at the repository)."""
+    return Path(env.get("TOKENLINE_WORKDIR") or Path.cwd())
 
 
-def tokens_only(name: str, model: Path, served: str, *extra: str) -> Server:
-    port = free_port()
-    argv = [
-        vllm_bin(),
-        "serve",
-        str(model),
-        "--tokens-only",
-        "--port",
-        str(port),
-        "--served-model-name",
-        served,
-        *ENGINE_ARGS,
-        *extra,
-    ]
-    return Server(name, argv, port, dict(VLLM_ENV))
+def build_dir() -> Path:
+    """`build/` under the working directory: logs, offline models, benchmark results."""
+    return workdir() / "build"
 
 
-def oracle(name: str, model: Path, served: str) -> Server:
+def log_file(name: str) -> Path:
+    return build_dir() / "test-logs" / f"{name}.log"
+
+
+def vllm(name: str, config: GenerateConfig) -> Process:
+    """vLLM as `config` describes it (command line and environment from the launcher)."""
+    return Process(
+        name, command(config), config.port, env=environment(config), output=log_file(name)
+    )
+
+
+def _peer(name: str, mode: Mode, model: Path, served: str, *extra: str) -> Process:
+    config = GenerateConfig(
+        model=str(model),
+        mode=mode,
+        port=free_port(),
+        served_model_name=served,
+        prompt_tokens_details=False,
+        extra_args=extra,
+    )
+    return vllm(name, config)
+
+
+def tokens_only(name: str, model: Path, served: str, *extra: str) -> Process:
+    """A tokens-only engine (what tokenline's pipeline generates with)."""
+    return _peer(name, "tokens-only", model, served, *extra)
+
+
+def oracle(name: str, model: Path, served: str) -> Process:
     """Monolithic `vllm serve` with its tokenizer, scale-out routes on: our oracle."""
-    port = free_port()
-    argv = [
-        vllm_bin(),
-        "serve",
-        str(model),
-        "--enable-scale-out",
-        "--port",
-        str(port),
-        "--served-model-name",
-        served,
-        *ENGINE_ARGS,
-    ]
-    return Server(name, argv, port, dict(VLLM_ENV))
+    return _peer(name, "scale-out", model, served)
 
 
-def vllm_render(name: str, model: Path, served: str) -> Server:
-    port = free_port()
-    argv = [
-        vllm_bin(),
-        "launch",
-        "render",
-        str(model),
-        "--port",
-        str(port),
-        "--served-model-name",
-        served,
-        "--max-model-len",
-        "2048",
-    ]
-    return Server(name, argv, port, dict(VLLM_ENV))
+def vllm_render(name: str, model: Path, served: str) -> Process:
+    """`vllm launch render`: vLLM's own render/derender server, no engine."""
+    return _peer(name, "render", model, served)
 
 
-def tokenline(name: str, *args: str) -> Server:
-    port = free_port()
-    argv = [str(VENV_BIN / "tokenline"), *args, "--port", str(port)]
-    return Server(name, argv, port)
-
-
-def generate_role(name: str, model: Path, role: Role, cores: str) -> Server:
+def generate_role(name: str, model: Path, role: Role, cores: str) -> Process:
     """A tokens-only vLLM for a P/D role, launched with the settings `tokenline generate` uses."""
-    port = free_port()
     config = GenerateConfig(
         model=str(model),
         role=role,
-        port=port,
+        port=free_port(),
         served_model_name="tiny",
         cpu_cores=cores,
         nixl_port=free_port(),
-        vllm_bin=vllm_bin(),
     )
-    return Server(name, command(config), port, environment(config, {}))
+    return vllm(name, config)
 
 
-def start_all(started: list[Server], timeout: float) -> None:
-    """Start every server at once (they boot in parallel), then wait for each."""
-    for server in started:
-        server.start()
-    for server in started:
-        server.wait(timeout)
+def tokenline(name: str, *args: str) -> Process:
+    """`tokenline *args --port <free port>`."""
+    port = free_port()
+    return Process(name, child_argv(*args, "--port", str(port)), port, output=log_file(name))
 
 
-def generate_double(name: str, tokens_per_second: float) -> Server:
+def generate_double(name: str, tokens_per_second: float) -> Process:
     """The benchmark-only fake generate server (`tokenline.launch.bench.double`)."""
     port = free_port()
     argv = [
@@ -214,4 +128,4 @@ def generate_double(name: str, tokens_per_second: float) -> Server:
         "--tokens-per-second",
         str(tokens_per_second),
     ]
-    return Server(name, argv, port)
+    return Process(name, argv, port, output=log_file(name))

@@ -16,10 +16,21 @@ import pytest
 
 from tokenline.launch import servers
 from tokenline.launch.models.build import build
-from tokenline.launch.servers import Server
+from tokenline.launch.process import Process, start_all
 from tokenline.shared.tokenizer import ModelTokenizer
 
-MODEL_CACHE = Path(os.environ.get("TOKENLINE_MODEL_CACHE", servers.REPO / "build" / "models"))
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build"  # tests keep their files in the repository's build/, wherever run from
+MODEL_CACHE = Path(os.environ.get("TOKENLINE_MODEL_CACHE", BUILD / "models"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def workdir() -> Iterator[Path]:
+    """Launch helpers (server logs) and the children tests start (`tokenline up`, benchmarks)
+    write under the repository, not the current directory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENLINE_WORKDIR", str(ROOT))
+        yield ROOT
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +57,15 @@ def qwen3_tok(qwen3_model: Path) -> ModelTokenizer:
 class Fleet:
     """The vLLM servers of a test session (all real)."""
 
-    generate: Server  # tokens-only engine on tiny: what tokenline's pipeline uses
-    oracle: Server  # monolithic vllm serve on tiny, with tokenizer and scale-out routes
-    oracle_qwen3: Server
-    render: Server  # vllm launch render on tiny
-    render_qwen3: Server
-    prefill: Server  # tokens-only P/D pair on tiny, NixlConnector, pinned to cores 0 and 1
-    decode: Server
+    generate: Process  # tokens-only engine on tiny: what tokenline's pipeline uses
+    oracle: Process  # monolithic vllm serve on tiny, with tokenizer and scale-out routes
+    oracle_qwen3: Process
+    render: Process  # vllm launch render on tiny
+    render_qwen3: Process
+    prefill: Process  # tokens-only P/D pair on tiny, NixlConnector, pinned to cores 0 and 1
+    decode: Process
 
-    def all(self) -> list[Server]:
+    def all(self) -> list[Process]:
         return [
             self.generate,
             self.oracle,
@@ -66,7 +77,7 @@ class Fleet:
         ]
 
 
-REUSE = servers.REPO / "build" / "fleet.json"
+REUSE = BUILD / "fleet.json"
 
 
 def _reused() -> Fleet | None:
@@ -74,7 +85,7 @@ def _reused() -> Fleet | None:
     run reuses it (never in CI, which always starts its own)."""
     if os.environ.get("TOKENLINE_REUSE_FLEET") != "1" or not REUSE.exists():
         return None
-    found = {k: Server(k, [], port) for k, port in json.loads(REUSE.read_text()).items()}
+    found = {k: Process(k, [], port) for k, port in json.loads(REUSE.read_text()).items()}
     if set(found) != set(Fleet.__dataclass_fields__):
         return None
     return Fleet(**found) if all(s.healthy() for s in found.values()) else None
@@ -95,10 +106,7 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
         decode=servers.generate_role("vllm-decode-tiny", tiny_model, "decode", "1"),
     )
     try:
-        for server in f.all():
-            server.start()
-        for server in f.all():
-            server.wait()
+        start_all(f.all(), 600)  # seven vLLMs booting at once on a small CPU
         if os.environ.get("TOKENLINE_REUSE_FLEET") == "1":
             REUSE.write_text(json.dumps({k: v.port for k, v in vars(f).items()}))
             yield f

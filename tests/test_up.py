@@ -14,7 +14,8 @@ from pathlib import Path
 
 import openai
 
-from tokenline.launch.servers import LOGS, VENV_BIN, free_port
+from tokenline.launch.process import free_port
+from tokenline.launch.servers import VENV_BIN, log_file
 
 
 def _sessions_alive(sids: set[int]) -> list[int]:
@@ -34,7 +35,8 @@ def _sessions_alive(sids: set[int]) -> list[int]:
 
 def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
     port = free_port()
-    LOGS.mkdir(parents=True, exist_ok=True)
+    log = log_file("tokenline-up")
+    log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     up = subprocess.Popen(
         [
@@ -84,7 +86,7 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
         reader.join(10)
         if up.stdout is not None:
             up.stdout.close()
-        (LOGS / "tokenline-up.log").write_text("".join(lines))
+        log.write_text("".join(lines))
     output = "".join(lines)
     pids = {int(p) for p in re.findall(r"started \S+ pid=(\d+)", output)}
     assert len(pids) == 7  # prefill, decode, 2 render, 2 derender, proxy

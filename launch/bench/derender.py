@@ -22,6 +22,7 @@ from tokenline.launch.bench.common import Result
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
 from tokenline.launch.models.build import build
+from tokenline.launch.process import Process
 
 # msgspec keeps the load generator's own JSON cost small (it shares the 2 cores with the servers)
 ENCODE = msgspec.json.Encoder().encode
@@ -29,7 +30,7 @@ DECODE = msgspec.json.Decoder().decode
 Stream = tuple[list[int], list[dict[str, Any]], dict[str, Any]]  # prompt ids, chunks, request
 
 
-def record(generate: servers.Server, render: servers.Server, n: int, tokens: int) -> list[Stream]:
+def record(generate: Process, render: Process, n: int, tokens: int) -> list[Stream]:
     streams = []
     for i in range(n):
         chat = {
@@ -102,7 +103,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    model = build("tiny", servers.REPO / "build" / "models" / "tiny")
+    model = build("tiny", servers.build_dir() / "models" / "tiny")
     generate = servers.tokens_only("bench-generate", Path(model), "tiny")
     peer = servers.vllm_render("bench-vllm-derender", Path(model), "tiny")
     ours = servers.tokenline(

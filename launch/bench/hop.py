@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rate", type=float, default=1000, help="tokens/s per stream (double)")
     args = parser.parse_args()
-    model = build("tiny", servers.REPO / "build" / "models" / "tiny")
+    model = build("tiny", servers.build_dir() / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
     double = servers.generate_double("hop-double", args.rate)
     render = servers.tokenline("hop-render", "render", *common)

@@ -30,9 +30,6 @@ from tokenline.launch import servers
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.models.build import build
 
-ENGINE_ARGS = servers.ENGINE_ARGS
-
-
 # --------------------------------------------------------------------------- request mix
 
 
@@ -286,9 +283,7 @@ def _tokenline(model: Path, decode_url: str) -> list[servers.Server]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model = (
-        Path(args.model)
-        if args.model
-        else build("tiny", servers.REPO / "build" / "models" / "tiny")
+        Path(args.model) if args.model else build("tiny", servers.build_dir() / "models" / "tiny")
     )
     mix = request_mix(args.requests)
     started: list[servers.Server] = []
@@ -438,7 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2000,
         help="double: tokens/s per stream (0: as fast as possible)",
     )
-    parser.add_argument("--out", default=str(servers.REPO / "build" / "bench"))
+    parser.add_argument("--out", default=str(servers.build_dir() / "bench"))
 
 
 def main(argv: list[str] | None = None) -> int:

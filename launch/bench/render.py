@@ -18,6 +18,7 @@ from tokenline.launch import servers
 from tokenline.launch.bench.common import Result, closed_loop, report
 from tokenline.launch.bench.corpus import chat_requests, completion_requests
 from tokenline.launch.models.build import build
+from tokenline.launch.process import Process
 
 
 def request_mix(model: str) -> list[tuple[str, bytes]]:
@@ -50,8 +51,8 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     args = parser.parse_args()
-    model = build("tiny", servers.REPO / "build" / "models" / "tiny")
-    started: list[servers.Server] = []
+    model = build("tiny", servers.build_dir() / "models" / "tiny")
+    started: list[Process] = []
     try:
         ours = {
             kind: servers.tokenline(

@@ -1,9 +1,10 @@
-"""`tokenline generate`: run vLLM's tokens-only server with the settings each role needs.
+"""`tokenline generate`'s vLLM: the one place that builds vLLM command lines and environments.
 
 The generate tier is vLLM itself (`vllm serve --tokens-only`): it has no tokenizer and speaks
-`/inference/v1/generate`. This launcher builds its command line and environment for a role
-(`both`, `prefill`, `decode`), starts it, waits for `/health`, and forwards SIGINT/SIGTERM so
-stopping the launcher stops vLLM.
+`/inference/v1/generate`. `command()` and `environment()` build its command line and
+environment for a role (`both`, `prefill`, `decode`), and, with the same engine flags, those of
+the peers tests and benchmarks compare with: monolithic `vllm serve --enable-scale-out` (the
+oracle) and `vllm launch render`. `tokenline.launch` starts and supervises the process.
 """
 
 from __future__ import annotations
@@ -12,36 +13,61 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from tokenline.shared.config import CommandLine, Port, Positive
+
 Role = Literal["both", "prefill", "decode"]
+Mode = Literal["tokens-only", "scale-out", "render"]
 SHIM_MODULE = "tokenline.services.generate.nixl_shim"
 
 
 class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """One vLLM server. Differential tests compare servers built from these with the same engine
+    settings (dtype, max model length, eager, one process), so outputs compare bit for bit."""
+
     model: str
+    """Model directory (HF layout) or name."""
+    mode: Mode = "tokens-only"
+    """tokens-only: the generate tier (`tokenline generate` runs only this); scale-out:
+    monolithic `vllm serve` with its tokenizer and scale-out routes (the tests' oracle and the
+    benchmark's peer); render: `vllm launch render` (no engine)."""
     role: Role = "both"
+    """P/D role: prefill and decode hand the KV cache over NIXL."""
     host: str = "127.0.0.1"
-    port: int = 8200
+    """Address vLLM listens on."""
+    port: Port = 8200
+    """Port vLLM listens on."""
     served_model_name: str | None = None
-    max_model_len: int = 2048
+    """The name the model answers to (default: the model path)."""
+    max_model_len: Positive = 2048
+    """Context length."""
     dtype: str = "float32"
-    kv_cache_gib: int = 1
+    """Weights and activations dtype."""
+    kv_cache_gib: Positive = 1
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_cores: str | None = None
-    nixl_port: int | None = None
+    """Cores to pin to, e.g. 0 or 0-1 (VLLM_CPU_OMP_THREADS_BIND)."""
+    nixl_port: Port | None = None
+    """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
     kv_buffer_device: str = "cpu"
+    """Where NIXL stages KV: cpu here, cuda on GPUs."""
     vllm_bin: str | None = None
+    """The vllm executable (default: beside this interpreter, else on PATH)."""
+    prompt_tokens_details: bool = True
+    """`--enable-prompt-tokens-details` (usage reports cached prompt tokens); engine modes only.
+    `tokenline generate` has it on; the tests' shared tokens-only engine and oracles do not."""
     extra_args: tuple[str, ...] = ()
+    """Passed to vLLM last (`tokenline generate`: arguments it does not know itself)."""
+
+    def __post_init__(self) -> None:
+        if self.role != "both" and self.mode != "tokens-only":
+            raise ValueError(f"role {self.role!r} needs mode 'tokens-only', not {self.mode!r}")
 
 
 def vllm_executable(explicit: str | None = None) -> str:
@@ -74,25 +100,39 @@ def kv_transfer_config(config: GenerateConfig) -> str | None:
     )
 
 
+def engine_args(config: GenerateConfig) -> list[str]:
+    """The engine flags every vLLM that runs the model gets (render mode runs none)."""
+    args = [
+        "--dtype",
+        config.dtype,
+        "--enforce-eager",
+        "--distributed-executor-backend",
+        "uni",
+    ]
+    if config.prompt_tokens_details:
+        args.append("--enable-prompt-tokens-details")
+    return args
+
+
 def command(config: GenerateConfig) -> list[str]:
+    """vLLM's command line for `config` (extra arguments last, so they can override)."""
+    head = {
+        "tokens-only": ["serve", config.model, "--tokens-only"],
+        "scale-out": ["serve", config.model, "--enable-scale-out"],
+        "render": ["launch", "render", config.model],
+    }[config.mode]
     cmd = [
         vllm_executable(config.vllm_bin),
-        "serve",
-        config.model,
-        "--tokens-only",
+        *head,
         "--host",
         config.host,
         "--port",
         str(config.port),
         "--max-model-len",
         str(config.max_model_len),
-        "--dtype",
-        config.dtype,
-        "--enforce-eager",
-        "--distributed-executor-backend",
-        "uni",
-        "--enable-prompt-tokens-details",
     ]
+    if config.mode != "render":
+        cmd += engine_args(config)
     if config.served_model_name:
         cmd += ["--served-model-name", config.served_model_name]
     if (kv := kv_transfer_config(config)) is not None:
@@ -101,6 +141,7 @@ def command(config: GenerateConfig) -> list[str]:
 
 
 def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The child's whole environment: `base` plus what vLLM needs offline and per role."""
     env = dict(base)
     env |= {
         "HF_HUB_OFFLINE": "1",
@@ -122,75 +163,13 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
     return env
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm exited with {proc.returncode} before becoming healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s")
-
-
-def start(config: GenerateConfig) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command(config), env=environment(config), start_new_session=True)
-
-
-def run(config: GenerateConfig, timeout: float = 600.0) -> int:
-    """Start vLLM, report when it is healthy, and mirror its exit; signals are forwarded."""
-    proc = start(config)
-
-    def forward(signum: int, _frame: object) -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    try:
-        wait_healthy(f"http://{config.host}:{config.port}", proc, timeout)
-        print(f"generate[{config.role}] ready on http://{config.host}:{config.port}", flush=True)
-        return proc.wait()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+# `tokenline generate` is the generate tier: always tokens-only, with prompt token details.
+CLI = CommandLine(GenerateConfig, exclude=("mode", "prompt_tokens_details", "extra_args"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8200)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument(
-        "--cpu-cores", default=None, help="e.g. 0 or 0-1 (VLLM_CPU_OMP_THREADS_BIND)"
-    )
-    parser.add_argument("--nixl-port", type=int, default=None)
-    parser.add_argument("--kv-buffer-device", default="cpu", help="cuda on GPUs")
-    parser.add_argument("--vllm-bin", default=None)
+    CLI.add_arguments(parser)
 
 
 def from_args(args: argparse.Namespace, extra: list[str]) -> GenerateConfig:
-    return GenerateConfig(
-        model=args.model,
-        role=args.role,
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib,
-        cpu_cores=args.cpu_cores,
-        nixl_port=args.nixl_port,
-        kv_buffer_device=args.kv_buffer_device,
-        vllm_bin=args.vllm_bin,
-        extra_args=tuple(extra),
-    )
+    return CLI.build(args, extra_args=tuple(extra))

@@ -8,15 +8,21 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.test_up import _sessions_alive
 from tokenline.launch.bench.http import post
-from tokenline.launch.servers import VENV_BIN, free_port
+from tokenline.launch.process import free_port
+from tokenline.launch.servers import VENV_BIN
 from tokenline.services.generate.launcher import (
     GenerateConfig,
     command,
     environment,
     kv_transfer_config,
 )
+
+# What every vLLM that runs the model gets: the differential tests compare their outputs.
+ENGINE = ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
 
 
 def test_roles_get_their_connector_settings() -> None:
@@ -31,6 +37,28 @@ def test_roles_get_their_connector_settings() -> None:
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
     decode = GenerateConfig(model="m", role="decode")
     assert json.loads(kv_transfer_config(decode) or "{}")["kv_role"] == "kv_consumer"
+
+
+def test_one_builder_for_every_vllm() -> None:
+    """The generate tier, the oracle and vLLM's render server, from one config."""
+    common = {"model": "m", "port": 9, "served_model_name": "tiny", "vllm_bin": "vllm"}
+    where = ["--host", "127.0.0.1", "--port", "9", "--max-model-len", "2048"]
+    named = ["--served-model-name", "tiny"]
+    generate = command(GenerateConfig(**common))
+    details = "--enable-prompt-tokens-details"
+    assert generate == ["vllm", "serve", "m", "--tokens-only", *where, *ENGINE, details, *named]
+    oracle = command(GenerateConfig(mode="scale-out", prompt_tokens_details=False, **common))
+    assert oracle == ["vllm", "serve", "m", "--enable-scale-out", *where, *ENGINE, *named]
+    render = command(GenerateConfig(mode="render", **common))
+    assert render == ["vllm", "launch", "render", "m", *where, *named]
+    extra = command(GenerateConfig(extra_args=("--seed", "1"), **common))
+    assert extra[-2:] == ["--seed", "1"]
+    base = {"PATH": "/bin"}
+    assert environment(GenerateConfig(mode="render", **common), base) == environment(
+        GenerateConfig(**common), base
+    )
+    with pytest.raises(ValueError, match="tokens-only"):
+        GenerateConfig(model="m", mode="scale-out", role="prefill")
 
 
 def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:

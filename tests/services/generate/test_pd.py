@@ -14,9 +14,9 @@ import pytest
 
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline, engine_metric, start_pipeline
-from tokenline.launch import servers
 from tokenline.launch.bench.http import post, post_raw
-from tokenline.launch.servers import Server
+from tokenline.launch.process import Process, free_port
+from tokenline.launch.servers import log_file
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
 PREFILL_LEG = {
@@ -35,7 +35,7 @@ def prompt(seed: int, n: int = 1500) -> list[int]:
     return [rng.randrange(5, 4000) for _ in range(n)]
 
 
-def generate(server: Server, ids: list[int], **extra: Any) -> dict[str, Any]:
+def generate(server: Process, ids: list[int], **extra: Any) -> dict[str, Any]:
     body = {
         "token_ids": ids,
         "sampling_params": {"max_tokens": 8, "temperature": 0, "logprobs": 1},
@@ -113,19 +113,18 @@ def test_negative_control_wrong_kv_moves_logprobs(fleet: Fleet) -> None:
 
 
 @pytest.fixture(scope="module")
-def bad_prefill() -> Iterator[Server]:
-    port = servers.free_port()
-    server = Server(
-        "bad-prefill", [sys.executable, "-m", "tests.fakes.bad_prefill", str(port)], port
-    )
-    server.start().wait(20)
+def bad_prefill() -> Iterator[Process]:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.fakes.bad_prefill", str(port)]
+    server = Process("bad-prefill", argv, port, output=log_file("bad-prefill"))
+    server.start().wait_healthy(20)
     yield server
     server.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_dead_prefill_between_legs_is_retried(
-    fleet: Fleet, tiny_model: Path, bad_prefill: Server, stream: bool
+    fleet: Fleet, tiny_model: Path, bad_prefill: Process, stream: bool
 ) -> None:
     """The first prefill replica hands out KV nobody can pull; the decode leg fails; the proxy
     retries the whole request once behind the other prefill replica: the client sees success."""
@@ -156,7 +155,7 @@ def test_dead_prefill_between_legs_is_retried(
 
 
 def test_no_prefill_replica_left_falls_back_to_decode_only(fleet: Fleet, tiny_model: Path) -> None:
-    dead = f"http://127.0.0.1:{servers.free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     p = start_pipeline(
         "pd-fallback", tiny_model, [fleet.decode.url], extra=("--prefill", dead), degraded_ok=True
     )
