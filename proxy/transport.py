@@ -27,10 +27,10 @@ from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.proxy.upstream import post
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
 from tokenline.shared.kinds import Kind, KindName
+from tokenline.shared.limits import DERENDER_BATCH_ITEMS
 from tokenline.shared.wire import ERROR, JSON, ErrorEnvelope
 
 T = TypeVar("T")
-BATCH_LIMIT = 256  # items per batch call (the derender batch routes' own bound)
 JSON_HEADERS = {"Content-Type": "application/json"}
 BATCH_ANSWER = msgspec.json.Decoder(list[msgspec.Raw])
 
@@ -169,8 +169,8 @@ def _settle(future: asyncio.Future[StreamAnswer], outcome: StreamAnswer | Servic
 
 
 def _split(items: list[_Pending], parts: int) -> list[list[_Pending]]:
-    """`items` as at most `parts` batches (one per replica) of at most BATCH_LIMIT each."""
+    """`items` as at most `parts` batches (one per replica) of at most DERENDER_BATCH_ITEMS each."""
     if not items:
         return []
-    size = min(BATCH_LIMIT, -(-len(items) // parts))
+    size = min(DERENDER_BATCH_ITEMS, -(-len(items) // parts))
     return [items[i : i + size] for i in range(0, len(items), size)]

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import msgspec
 
 from tokenline.shared.wire import (
+    DERENDER_CHAT,
+    DERENDER_COMPLETION,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -43,6 +45,9 @@ class Kind:
     """render's answer: one generate request (chat) or one per prompt (completions)."""
     whole: msgspec.json.Decoder[Any]
     derender_request: type[DerenderChatRequest] | type[DerenderCompletionRequest]
+    derender_json: msgspec.json.Decoder[Any]
+    """A derender call's body (vLLM's JSON route); `derender_msgpack` the same over ZMQ."""
+    derender_msgpack: msgspec.msgpack.Decoder[Any]
     stream_answer_json: msgspec.json.Decoder[Any]
     stream_answer_msgpack: msgspec.msgpack.Decoder[Any]
 
@@ -67,6 +72,8 @@ CHAT = Kind(
     rendered=msgspec.json.Decoder(GenerateRequest),
     whole=msgspec.json.Decoder(ChatCompletion),
     derender_request=DerenderChatRequest,
+    derender_json=DERENDER_CHAT,
+    derender_msgpack=msgspec.msgpack.Decoder(DerenderChatRequest),
     stream_answer_json=msgspec.json.Decoder(DerenderChatStreamResponse),
     stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderChatStreamResponse),
 )
@@ -81,6 +88,8 @@ COMPLETION = Kind(
     rendered=msgspec.json.Decoder(list[GenerateRequest]),
     whole=msgspec.json.Decoder(Completion),
     derender_request=DerenderCompletionRequest,
+    derender_json=DERENDER_COMPLETION,
+    derender_msgpack=msgspec.msgpack.Decoder(DerenderCompletionRequest),
     stream_answer_json=msgspec.json.Decoder(DerenderCompletionStreamResponse),
     stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderCompletionStreamResponse),
 )

@@ -20,5 +20,9 @@ DETOK_MAX_WINDOW = 64
 """A held-back window this long means garbage bytes: emit rather than grow without bound."""
 
 DETOK_STATE_IDS = DETOK_PROMPT_SEED + DETOK_MAX_WINDOW + 2
-"""The most IDs `stream_state.detok_ids` can hold: the seed, a full window, and the one or two
-IDs of the chunk that forced it out."""
+"""The most IDs `stream_state.detok_ids` may hold, a cap derender enforces for any token
+sequence: the held-back part stays under DETOK_MAX_WINDOW and the emitted part (context) is cut
+from the left."""
+
+DERENDER_BATCH_ITEMS = 256
+"""Stream chunks one derender batch call may carry."""

@@ -17,10 +17,12 @@ wrong type is a `msgspec.ValidationError` naming the field (e.g. `$.token_ids[3]
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
+
+from tokenline.shared.limits import DERENDER_BATCH_ITEMS, DETOK_STATE_IDS, LOGPROB_CONTEXT
 
 TokenId = Annotated[int, Meta(ge=0)]
 TokenIds = list[TokenId]
@@ -432,19 +434,23 @@ class DerenderStreamState(Wire, kw_only=True):
     `logprob_text_offset` are vLLM's fields (the first three are unused by tokenline, which keeps
     token IDs instead of token strings so that a forged state is checkable). The rest are
     tokenline's: the detokenizer window, the stop-string tail, the tokens counted so far, and
-    whether a stop string already ended the stream. Everything is bounded.
+    whether a stop string already ended the stream. Everything is bounded: the ID lists here, the
+    stop tail by the request's stop strings (derender checks it against the request).
     """
 
     prev_tokens: Annotated[list[str], Meta(max_length=1024)] = []
     prefix_offset: NonNegative = 0
     read_offset: NonNegative = 0
     role_sent: bool = False
-    logprob_context_token_ids: Annotated[TokenIds, Meta(max_length=4)] = []
+    logprob_context_token_ids: Annotated[TokenIds, Meta(max_length=LOGPROB_CONTEXT)] = []
     logprob_text_offset: NonNegative = 0
-    detok_ids: Annotated[TokenIds, Meta(max_length=72)] = []
+    detok_ids: Annotated[TokenIds, Meta(max_length=DETOK_STATE_IDS)] = []
     detok_prefix: NonNegative = 0
     last_special: bool = False
-    stop_tail: Annotated[str, Meta(max_length=65536)] = ""
+    stop_tail: str = ""
+    """The output's last characters a stop string could still match across, and those not yet
+    sent: derender leaves at most the longest stop string less one character, and accepts up to
+    65536 or that, whichever is more (`services/derender/choice.py`)."""
     unsent_chars: NonNegative = 0
     completion_tokens: NonNegative = 0
     stopped: bool = False
@@ -466,6 +472,15 @@ class DerenderChatRequest(Wire, kw_only=True):
     prompt_token_ids: TokenIds | None = None
     chat_request: ChatCompletionRequest | None = None
 
+    @property
+    def client(self) -> ChatCompletionRequest | None:
+        """The client's request (`request_field` of the kind)."""
+        return self.chat_request
+
+    def responses(self) -> list[GenerateResponse]:
+        """The generate answers of a whole (non-streaming) call."""
+        return [] if self.generate_response is None else [self.generate_response]
+
 
 class DerenderCompletionRequest(Wire, kw_only=True):
     """Body of `/v1/completions/derender`: `generate_responses` (one per prompt) when not
@@ -482,6 +497,15 @@ class DerenderCompletionRequest(Wire, kw_only=True):
     prompt_token_ids: list[Any] | None = None
     completion_request: CompletionRequest | None = None
 
+    @property
+    def client(self) -> CompletionRequest | None:
+        """The client's request (`request_field` of the kind)."""
+        return self.completion_request
+
+    def responses(self) -> list[GenerateResponse]:
+        """The generate answers of a whole (non-streaming) call."""
+        return list(self.generate_responses or [])
+
 
 class StopMatch(Wire, kw_only=True):
     """tokenline extension on a streaming derender answer: a stop string matched.
@@ -494,26 +518,32 @@ class StopMatch(Wire, kw_only=True):
     completion_tokens: int
 
 
-class DerenderChatStreamResponse(Wire, kw_only=True):
-    chunk: ChatCompletionChunk
+ChunkT = TypeVar("ChunkT")
+
+
+class DerenderStreamResponse(Wire, Generic[ChunkT], kw_only=True):
+    """A streaming derender answer: the client's chunk (`ChatCompletionChunk` or
+    `CompletionChunk`) and the state to send with the next call."""
+
+    chunk: ChunkT
     stream_state: DerenderStreamState
     stop_match: StopMatch | None = None
 
 
-class DerenderCompletionStreamResponse(Wire, kw_only=True):
-    chunk: CompletionChunk
-    stream_state: DerenderStreamState
-    stop_match: StopMatch | None = None
+DerenderChatStreamResponse = DerenderStreamResponse[ChatCompletionChunk]
+DerenderCompletionStreamResponse = DerenderStreamResponse[CompletionChunk]
 
 
-class DerenderChatBatch(Wire, kw_only=True):
-    """tokenline extension: several streaming derender calls in one body, answered in order."""
+class DerenderBatch(Wire, kw_only=True):
+    """tokenline extension: several derender calls of one kind in one body (`Kind.batch_path`).
 
-    requests: Annotated[list[DerenderChatRequest], Meta(min_length=1, max_length=256)]
+    Each item stays raw and is decoded on its own, so a malformed item is that item's error. The
+    answer (200) is a JSON list as long as `requests`: item i's answer, as a single call would
+    give it, or item i's error envelope `{"error": {...}}`. Only a body that is no batch at all
+    is a 400.
+    """
 
-
-class DerenderCompletionBatch(Wire, kw_only=True):
-    requests: Annotated[list[DerenderCompletionRequest], Meta(min_length=1, max_length=256)]
+    requests: Annotated[list[msgspec.Raw], Meta(min_length=1, max_length=DERENDER_BATCH_ITEMS)]
 
 
 # --------------------------------------------------------------------------- models list
@@ -548,5 +578,4 @@ COMPLETION_RESPONSE = msgspec.json.Decoder(Completion)
 COMPLETION_CHUNK = msgspec.json.Decoder(CompletionChunk)
 DERENDER_CHAT = msgspec.json.Decoder(DerenderChatRequest)
 DERENDER_COMPLETION = msgspec.json.Decoder(DerenderCompletionRequest)
-DERENDER_CHAT_BATCH = msgspec.json.Decoder(DerenderChatBatch)
-DERENDER_COMPLETION_BATCH = msgspec.json.Decoder(DerenderCompletionBatch)
+DERENDER_BATCH = msgspec.json.Decoder(DerenderBatch)

@@ -7,14 +7,14 @@ or of the error envelope. Ids let one DEALER socket carry many calls at once.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
+
+from tokenline.shared.kinds import KindName
 
 
 class Call(msgspec.Struct, array_like=True):
     id: int
-    kind: Literal["chat", "completion"]
+    kind: KindName
     body: bytes
 
 

@@ -1,4 +1,8 @@
-"""The derender service: `make_app(config)` wires routes, the tokenizer, threads and metrics."""
+"""The derender service: `make_app(config)` wires routes, the tokenizer, threads and metrics.
+
+Routes come from the kinds (`shared.kinds`): each kind's vLLM derender route and tokenline's
+batched form of it; the ZMQ channel (`channel.py`) answers the same calls.
+"""
 
 from __future__ import annotations
 
@@ -9,30 +13,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 from prometheus_client import Counter
 
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.services.derender.config import DerenderConfig
-from tokenline.services.derender.derender import (
-    derender_chat,
-    derender_chat_stream,
-    derender_completion,
-    derender_completion_stream,
-)
-from tokenline.shared.http import json_response, make_base_app, read_json_body
+from tokenline.services.derender.derender import DerenderRequest, derender
+from tokenline.shared.errors import as_service_error
+from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
+from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import (
-    DERENDER_CHAT,
-    DERENDER_CHAT_BATCH,
-    DERENDER_COMPLETION,
-    DERENDER_COMPLETION_BATCH,
-    DerenderChatRequest,
-    DerenderCompletionRequest,
-)
+from tokenline.shared.wire import DERENDER_BATCH
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -80,58 +75,52 @@ async def state_ctx(app: web.Application) -> AsyncIterator[None]:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _tokens(req: DerenderChatRequest | DerenderCompletionRequest) -> int:
+def _tokens(req: DerenderRequest) -> int:
     if req.generate_chunk is not None:
         choices: list[Any] = list(req.generate_chunk.choices)
-    elif isinstance(req, DerenderCompletionRequest):
-        choices = [c for r in req.generate_responses or [] for c in r.choices]
     else:
-        choices = list(req.generate_response.choices) if req.generate_response else []
+        choices = [c for r in req.responses() for c in r.choices]
     return sum(len(c.token_ids or []) for c in choices)
 
 
-async def _one(state: DerenderState, req: DerenderChatRequest | DerenderCompletionRequest) -> Any:
+async def _one(state: DerenderState, kind: Kind, req: DerenderRequest) -> Any:
     tokens = _tokens(req)
     state.tokens.inc(tokens)
     if req.stream:
         state.chunks.inc()
     inline = req.stream and tokens <= INLINE_TOKENS
-    if isinstance(req, DerenderChatRequest):
-        fn = derender_chat_stream if req.stream else derender_chat
-        return await state.run(fn, req, inline)
-    fn2 = derender_completion_stream if req.stream else derender_completion
-    return await state.run(fn2, req, inline)
+    return await state.run(functools.partial(derender, kind), req, inline)
 
 
-async def _channel_handle(
-    app: web.Application, req: DerenderChatRequest | DerenderCompletionRequest
-) -> Any:
-    return await _one(app[STATE], req)
+async def _channel_handle(app: web.Application, kind: Kind, req: DerenderRequest) -> Any:
+    return await _one(app[STATE], kind, req)
 
 
-async def chat(request: web.Request) -> web.Response:
-    req = DERENDER_CHAT.decode(await read_json_body(request))
-    return json_response(await _one(request.app[STATE], req))
+async def _item(state: DerenderState, kind: Kind, raw: msgspec.Raw) -> Any:
+    """One item of a batch: its answer, or its own error envelope (never its neighbours')."""
+    try:
+        return await _one(state, kind, kind.derender_json.decode(raw))
+    except Exception as exc:
+        return as_service_error(exc).to_wire()
 
 
-async def completion(request: web.Request) -> web.Response:
-    req = DERENDER_COMPLETION.decode(await read_json_body(request))
-    return json_response(await _one(request.app[STATE], req))
+def _handlers(kind: Kind) -> tuple[Handler, Handler]:
+    """`kind`'s derender route (vLLM's) and its batched form (tokenline's)."""
 
+    async def single(request: web.Request) -> web.Response:
+        req = kind.derender_json.decode(await read_json_body(request))
+        return json_response(await _one(request.app[STATE], kind, req))
 
-async def chat_batch(request: web.Request) -> web.Response:
-    """tokenline extension: several stream chunks (of one or many streams) in one call; the
-    answers come back in order. Chunks of one stream must be chained by the caller's states,
-    so a batch carries at most one chunk per stream."""
-    batch = DERENDER_CHAT_BATCH.decode(await read_json_body(request))
-    state = request.app[STATE]
-    return json_response([await _one(state, r) for r in batch.requests])
+    async def batch(request: web.Request) -> web.Response:
+        """tokenline extension: several calls (of one or many streams) in one body, answered
+        in order, each with its answer or its own error envelope (status 200 unless the body
+        is no batch at all). Chunks of one stream are chained by the caller's states, so a
+        batch carries at most one chunk per stream."""
+        items = DERENDER_BATCH.decode(await read_json_body(request)).requests
+        state = request.app[STATE]
+        return json_response([await _item(state, kind, raw) for raw in items])
 
-
-async def completion_batch(request: web.Request) -> web.Response:
-    batch = DERENDER_COMPLETION_BATCH.decode(await read_json_body(request))
-    state = request.app[STATE]
-    return json_response([await _one(state, r) for r in batch.requests])
+    return single, batch
 
 
 def make_app(config: DerenderConfig) -> web.Application:
@@ -142,9 +131,9 @@ def make_app(config: DerenderConfig) -> web.Application:
     if config.zmq_port is not None:
         app.cleanup_ctx.append(channel_ctx(config.host, config.zmq_port, _channel_handle))
         app.router.add_get("/v1/zmq", endpoint)
-    app.router.add_post("/v1/chat/completions/derender", chat)
-    app.router.add_post("/v1/completions/derender", completion)
-    app.router.add_post("/v1/chat/completions/derender/batch", chat_batch)
-    app.router.add_post("/v1/completions/derender/batch", completion_batch)
+    for kind in KINDS.values():
+        single, batch = _handlers(kind)
+        app.router.add_post(kind.derender_path, single)
+        app.router.add_post(kind.batch_path, batch)
     add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app

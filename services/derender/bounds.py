@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tokenline.shared.errors import BadRequest
+from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.served import served_name
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import GenerateChoice, GenerateResponse, GenerateStreamChoice
@@ -23,7 +24,7 @@ class DerenderSettings:
     served_model_names: tuple[str, ...]
     max_model_len: int
     max_choices: int = 16384
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
 
 
 def model_name(requested: str | None, settings: DerenderSettings) -> str:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenline.services.derender.detok import Detokenizer, DetokState, seed
-from tokenline.services.derender.stops import StopChecker, StopState
+from tokenline.services.derender.stops import STOP_TAIL_CHARS, StopChecker, StopState, tail_room
 from tokenline.shared.errors import InvalidStreamState
+from tokenline.shared.limits import DETOK_MAX_WINDOW, LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     ChatCompletionRequest,
@@ -67,12 +68,12 @@ class ChoiceState:
         return cls(detok=seed(prompt_ids))
 
     @classmethod
-    def from_wire(cls, s: DerenderStreamState, tok: ModelTokenizer) -> ChoiceState:
-        """Checks what the schema cannot: IDs against the vocabulary, offsets against lengths."""
-        if s.detok_prefix > len(s.detok_ids) or s.unsent_chars > len(s.stop_tail):
-            raise InvalidStreamState(
-                "invalid stream_state: offsets exceed their windows", param="stream_state"
-            )
+    def from_wire(
+        cls, s: DerenderStreamState, tok: ModelTokenizer, options: ChoiceOptions
+    ) -> ChoiceState:
+        """Checks what the schema cannot: IDs against the vocabulary, offsets against lengths,
+        windows against what this detokenizer and these stop strings ever leave."""
+        _check_windows(s, options)
         for name, ids in (
             ("detok_ids", s.detok_ids),
             ("logprob_context_token_ids", s.logprob_context_token_ids),
@@ -95,7 +96,7 @@ class ChoiceState:
     def to_wire(self) -> DerenderStreamState:
         return DerenderStreamState(
             role_sent=self.role_sent,
-            logprob_context_token_ids=self.context[-4:],
+            logprob_context_token_ids=self.context[-LOGPROB_CONTEXT:],
             logprob_text_offset=self.text_offset,
             detok_ids=self.detok.ids,
             detok_prefix=self.detok.prefix,
@@ -104,6 +105,23 @@ class ChoiceState:
             unsent_chars=self.stop.unsent,
             completion_tokens=self.completion_tokens,
             stopped=self.stopped,
+        )
+
+
+def _check_windows(s: DerenderStreamState, options: ChoiceOptions) -> None:
+    if s.detok_prefix > len(s.detok_ids) or s.unsent_chars > len(s.stop_tail):
+        raise InvalidStreamState(
+            "invalid stream_state: offsets exceed their windows", param="stream_state"
+        )
+    if len(s.detok_ids) - s.detok_prefix >= DETOK_MAX_WINDOW:
+        raise InvalidStreamState(
+            "invalid stream_state: detok_ids holds back more than the detokenizer does",
+            param="stream_state.detok_ids",
+        )
+    if len(s.stop_tail) > max(STOP_TAIL_CHARS, tail_room(options.stops)):
+        raise InvalidStreamState(
+            "invalid stream_state: stop_tail is longer than the stop strings need",
+            param="stream_state.stop_tail",
         )
 
 
@@ -182,5 +200,5 @@ class ChoiceDecoder:
             context=list(state.context),
         )
         state.completion_tokens += kept
-        state.context = [*state.context, *ids[:kept]][-4:]
+        state.context = [*state.context, *ids[:kept]][-LOGPROB_CONTEXT:]
         return out

@@ -1,6 +1,8 @@
-"""Derender requests to OpenAI responses (pure; no aiohttp).
+"""Streaming derender: one generate chunk to the client's chunk and the next state (pure).
 
-Chat and completions, whole responses and single stream chunks, with vLLM's derender shapes.
+One builder makes every stream answer of either kind; what differs between chat and
+completions (a delta or a text, the logprob format, where prompt IDs go) is a few small per-kind
+`Pieces`, found from the `Kind` by `derender()`, which also answers whole calls (`whole.py`).
 Every bound is checked before any decoding, so a hostile body costs nothing and never reaches
 the tokenizer with an ID it cannot hold.
 """
@@ -8,160 +10,129 @@ the tokenizer with an ID it cannot hold.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tokenline.services.derender.bounds import (
-    Choice,
     DerenderSettings,
     check_choice,
     check_prompt_ids,
-    check_response,
     model_name,
 )
-from tokenline.services.derender.choice import (
-    ChoiceDecoder,
-    ChoiceOptions,
-    ChoiceOutput,
-    ChoiceState,
+from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
+from tokenline.services.derender.parts import (
+    chat_logprobs,
+    completion_logprobs,
+    decode_choice,
+    if_asked,
+    is_id_list,
+    prompt_count,
+    usage_of,
 )
-from tokenline.services.derender.logprobs import LogprobResolver
+from tokenline.services.derender.whole import derender_chat, derender_completion
 from tokenline.shared.errors import BadRequest
+from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatLogprobs,
     ChatStreamChoice,
-    Completion,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     Delta,
     DerenderChatRequest,
-    DerenderChatStreamResponse,
     DerenderCompletionRequest,
-    DerenderCompletionStreamResponse,
+    DerenderStreamResponse,
+    DerenderStreamState,
     GenerateStreamChoice,
     GenerateStreamChunk,
     StopMatch,
     Usage,
 )
 
-# --------------------------------------------------------------------------- shared pieces
+DerenderRequest = DerenderChatRequest | DerenderCompletionRequest
 
 
-def _decode(
-    tok: ModelTokenizer, opts: ChoiceOptions, state: ChoiceState, c: Choice
-) -> ChoiceOutput:
-    content = c.logprobs.content if c.logprobs is not None else None
-    decoder = ChoiceDecoder(tok, opts, state)
-    return decoder.feed(
-        list(c.token_ids or []),
-        None if content is None else list(content),
-        c.finish_reason,
-        c.stop_reason,
+@dataclass
+class StreamCall:
+    """One streaming call, as the per-kind pieces see it."""
+
+    tok: ModelTokenizer
+    request: Any
+    """The client's request of the call's kind (None when the caller sent none)."""
+    chunk: GenerateStreamChunk
+    state: ChoiceState
+
+
+def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> ChatStreamChoice:
+    request: ChatCompletionRequest | None = call.request
+    role = None if call.state.role_sent else "assistant"
+    call.state.role_sent = True
+    return ChatStreamChoice(
+        index=index,
+        delta=Delta(role=role, content=out.text or None),
+        logprobs=chat_logprobs(call.tok, out, request),
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        token_ids=if_asked(request, out.token_ids),
     )
 
 
-def chat_top(request: ChatCompletionRequest | None) -> int | None:
-    """How many candidates a chat answer shows per position (None: all)."""
-    if request is None:
-        return None
-    top = request.top_logprobs or 0
-    return None if top == -1 else top
-
-
-def _wants_logprobs(out: ChoiceOutput, request: ChatCompletionRequest | None) -> bool:
-    return out.logprobs is not None and (request is None or request.logprobs)
-
-
-def _chat_logprobs(
-    tok: ModelTokenizer, out: ChoiceOutput, request: ChatCompletionRequest | None
-) -> ChatLogprobs | None:
-    if not _wants_logprobs(out, request) or out.logprobs is None:
-        return None
-    return ChatLogprobs(
-        content=LogprobResolver(tok, out.context).chat(out.logprobs, chat_top(request))
+def _completion_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> CompletionChoice:
+    request: CompletionRequest | None = call.request
+    logprobs = completion_logprobs(call.tok, out, request)
+    if logprobs is not None and logprobs.tokens:
+        # monolithic vLLM continues offsets by token lengths, not by the text sent
+        call.state.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    return CompletionChoice(
+        index=index,
+        text=out.text,
+        logprobs=logprobs,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        prompt_token_ids=if_asked(request, call.chunk.prompt_token_ids),
+        token_ids=if_asked(request, out.token_ids),
     )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
-
-
-def _prompt_tokens(given: int | None, usage: Usage | None, ids: list[int] | None) -> int:
-    if given is not None:
-        return given
-    if usage is not None:
-        return usage.prompt_tokens
-    return len(ids or [])
-
-
-def _returns_ids(request: ChatCompletionRequest | CompletionRequest | None) -> bool:
-    return bool(request is not None and request.return_token_ids)
-
-
-# --------------------------------------------------------------------------- chat
-
-
-def derender_chat(
-    req: DerenderChatRequest, tok: ModelTokenizer, s: DerenderSettings
-) -> ChatCompletion:
-    resp = req.generate_response
-    if resp is None:
-        raise BadRequest(
-            "generate_response is required when stream is false", param="generate_response"
-        )
-    model = model_name(req.model, s)
-    check_response(resp, tok, s)
-    check_prompt_ids(req.prompt_token_ids, tok, s)
-    prompt_ids = req.prompt_token_ids or resp.prompt_token_ids
-    opts, request = ChoiceOptions.of(req.chat_request), req.chat_request
-    choices: list[ChatChoice] = []
-    completion_tokens = 0
-    for c in resp.choices:
-        out = _decode(tok, opts, ChoiceState.start(prompt_ids), c)
-        completion_tokens += len(out.token_ids)
-        choices.append(
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=out.text),
-                logprobs=_chat_logprobs(tok, out, request),
-                finish_reason=out.finish_reason or "stop",
-                stop_reason=out.stop_reason,
-                token_ids=out.token_ids if _returns_ids(request) else None,
-            )
-        )
-    return ChatCompletion(
-        id=resp.request_id,
+def _chat_chunk(
+    call: StreamCall, model: str, choices: list[Any], usage: Usage | None
+) -> ChatCompletionChunk:
+    return ChatCompletionChunk(
+        id=call.chunk.request_id,
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=_usage(_prompt_tokens(req.prompt_tokens, resp.usage, prompt_ids), completion_tokens),
-        prompt_token_ids=prompt_ids if _returns_ids(request) else None,
-        kv_transfer_params=resp.kv_transfer_params,
+        usage=usage,
+        prompt_token_ids=if_asked(call.request, call.chunk.prompt_token_ids),
     )
 
 
-def _stream_state(
-    req: DerenderChatRequest | DerenderCompletionRequest,
-    tok: ModelTokenizer,
-    prompt_ids: list[int] | None,
-) -> ChoiceState:
-    if req.stream_state is None:
-        return ChoiceState.start(prompt_ids)
-    return ChoiceState.from_wire(req.stream_state, tok)
+def _completion_chunk(
+    call: StreamCall, model: str, choices: list[Any], usage: Usage | None
+) -> CompletionChunk:
+    return CompletionChunk(
+        id=call.chunk.request_id,
+        created=int(time.time()),
+        model=model,
+        choices=choices,
+        usage=usage,
+    )
+
+
+def _stream_prompt_ids(ids: list[Any] | None) -> list[int] | None:
+    """A streaming call's prompt IDs (typed for chat, checked here for completions)."""
+    if ids is not None and not is_id_list(ids):
+        raise BadRequest(
+            "prompt_token_ids must be a list of non-negative token IDs", param="prompt_token_ids"
+        )
+    return ids
 
 
 def _chunk_of(
-    req: DerenderChatRequest | DerenderCompletionRequest, tok: ModelTokenizer, s: DerenderSettings
+    req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
 ) -> tuple[GenerateStreamChunk, GenerateStreamChoice | None]:
     chunk = req.generate_chunk
     if chunk is None:
@@ -177,199 +148,78 @@ def _chunk_of(
     return chunk, (chunk.choices[0] if chunk.choices else None)
 
 
+def _stream_state(
+    wire: DerenderStreamState | None,
+    tok: ModelTokenizer,
+    opts: ChoiceOptions,
+    prompt_ids: list[int] | None,
+) -> ChoiceState:
+    if wire is None:
+        return ChoiceState.start(prompt_ids)
+    return ChoiceState.from_wire(wire, tok, opts)
+
+
 def _stop_match(out: ChoiceOutput, state: ChoiceState) -> StopMatch | None:
     if out.stop_string is None:
         return None
     return StopMatch(stop=out.stop_string, completion_tokens=state.completion_tokens)
 
 
-def _stream_usage(
-    req: DerenderChatRequest | DerenderCompletionRequest, chunk: GenerateStreamChunk
-) -> Usage | None:
+def _stream_usage(req: DerenderRequest, chunk: GenerateStreamChunk) -> Usage | None:
     if chunk.usage is None:
         return None
     given = req.prompt_tokens if isinstance(req.prompt_tokens, int) else None
-    prompt = _prompt_tokens(given, chunk.usage, None)
-    return _usage(prompt, chunk.usage.completion_tokens or 0)
+    prompt = prompt_count(given, chunk.usage, None)
+    return usage_of(prompt, chunk.usage.completion_tokens or 0)
 
 
-def derender_chat_stream(
-    req: DerenderChatRequest, tok: ModelTokenizer, s: DerenderSettings
-) -> DerenderChatStreamResponse:
+@dataclass(frozen=True)
+class Pieces:
+    """What differs between the kinds in derender's answers."""
+
+    whole: Callable[[Any, ModelTokenizer, DerenderSettings], Any]
+    stream_choice: Callable[[StreamCall, int, ChoiceOutput], Any]
+    """A stream chunk's choice; may advance the state (chat's role, completions' offsets)."""
+    stream_chunk: Callable[[StreamCall, str, list[Any], Usage | None], Any]
+
+
+def derender_stream(
+    pieces: Pieces, req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
+) -> DerenderStreamResponse[Any]:
+    """One generate stream chunk (at most one choice) as the client's chunk and the next state.
+
+    A choice that a stop string already ended shows nothing more.
+    """
     model = model_name(req.model, s)
-    check_prompt_ids(req.prompt_token_ids, tok, s)
-    chunk, c = _chunk_of(req, tok, s)
-    state = _stream_state(req, tok, req.prompt_token_ids or chunk.prompt_token_ids)
-    request, match = req.chat_request, None
-    choices: list[ChatStreamChoice] = []
-    if c is not None:
-        out = _decode(tok, ChoiceOptions.of(request), state, c)
-        if not state.stopped or out.stop_string is not None:
-            choices.append(
-                ChatStreamChoice(
-                    index=c.index,
-                    delta=Delta(
-                        role=None if state.role_sent else "assistant", content=out.text or None
-                    ),
-                    logprobs=_chat_logprobs(tok, out, request),
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    token_ids=out.token_ids if _returns_ids(request) else None,
-                )
-            )
-            state.role_sent = True
-        match = _stop_match(out, state)
-    result = ChatCompletionChunk(
-        id=chunk.request_id,
-        created=int(time.time()),
-        model=model,
-        choices=choices,
-        usage=_stream_usage(req, chunk),
-        prompt_token_ids=chunk.prompt_token_ids if _returns_ids(request) else None,
-    )
-    return DerenderChatStreamResponse(chunk=result, stream_state=state.to_wire(), stop_match=match)
-
-
-# --------------------------------------------------------------------------- completions
-
-
-def _completion_logprobs(
-    tok: ModelTokenizer, out: ChoiceOutput, request: CompletionRequest | None
-) -> CompletionLogprobs | None:
-    if out.logprobs is None or (request is not None and request.logprobs is None):
-        return None
-    k = None if request is None else request.logprobs
-    return LogprobResolver(tok, out.context).completion(out.logprobs, k, out.text_offset)
-
-
-def _prompt_id_lists(req: DerenderCompletionRequest, n: int) -> list[list[int] | None]:
-    raw = req.prompt_token_ids
-    if raw is None:
-        return [None] * n
-    if len(raw) != n:
-        raise BadRequest(
-            f"prompt_token_ids length ({len(raw)}) must equal generate_responses length ({n})",
-            param="prompt_token_ids",
-        )
-    lists: list[list[int] | None] = []
-    for i, ids in enumerate(raw):
-        if ids is not None and not (
-            isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)
-        ):
-            raise BadRequest(
-                f"prompt_token_ids[{i}] must be a list of non-negative token IDs",
-                param=f"prompt_token_ids[{i}]",
-            )
-        lists.append(ids)
-    return lists
-
-
-def _prompt_token_counts(req: DerenderCompletionRequest, n: int) -> list[int | None]:
-    given = req.prompt_tokens
-    if given is None:
-        return [None] * n
-    counts = [given] if isinstance(given, int) else list(given)
-    if len(counts) != n:
-        raise BadRequest(
-            f"prompt_tokens length ({len(counts)}) must equal generate_responses length ({n})",
-            param="prompt_tokens",
-        )
-    return list(counts)
-
-
-def derender_completion(
-    req: DerenderCompletionRequest, tok: ModelTokenizer, s: DerenderSettings
-) -> Completion:
-    responses = req.generate_responses
-    if not responses:
-        raise BadRequest("generate_responses must not be empty", param="generate_responses")
-    if len(responses) > s.max_choices:
-        raise BadRequest(
-            f"generate_responses count ({len(responses)}) exceeds server maximum "
-            f"({s.max_choices}).",
-            param="generate_responses",
-        )
-    model = model_name(req.model, s)
-    prompt_lists = _prompt_id_lists(req, len(responses))
-    counts = _prompt_token_counts(req, len(responses))
-    for r, ids in zip(responses, prompt_lists, strict=True):
-        check_response(r, tok, s)
-        check_prompt_ids(ids, tok, s)
-    request, opts = req.completion_request, ChoiceOptions.of(req.completion_request)
-    choices: list[CompletionChoice] = []
-    prompt_total, completion_total = 0, 0
-    for r, ids, count in zip(responses, prompt_lists, counts, strict=True):
-        prompt_ids = ids or r.prompt_token_ids
-        prompt_total += _prompt_tokens(count, r.usage, prompt_ids)
-        for c in r.choices:
-            out = _decode(tok, opts, ChoiceState.start(prompt_ids), c)
-            completion_total += len(out.token_ids)
-            choices.append(
-                CompletionChoice(
-                    index=len(choices),
-                    text=out.text,
-                    logprobs=_completion_logprobs(tok, out, request),
-                    finish_reason=out.finish_reason or "stop",
-                    stop_reason=out.stop_reason,
-                    prompt_token_ids=prompt_ids if _returns_ids(request) else None,
-                    token_ids=out.token_ids if _returns_ids(request) else None,
-                )
-            )
-    params = {_freeze(r.kv_transfer_params) for r in responses}
-    return Completion(
-        id=responses[0].request_id,
-        created=int(time.time()),
-        model=model,
-        choices=choices,
-        usage=_usage(prompt_total, completion_total),
-        kv_transfer_params=responses[0].kv_transfer_params if len(params) == 1 else None,
-    )
-
-
-def _freeze(params: dict[str, object] | None) -> str:
-    return repr(sorted((params or {}).items()))
-
-
-def derender_completion_stream(
-    req: DerenderCompletionRequest, tok: ModelTokenizer, s: DerenderSettings
-) -> DerenderCompletionStreamResponse:
-    model = model_name(req.model, s)
-    prompt_ids = req.prompt_token_ids
-    if prompt_ids is not None and not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
-        raise BadRequest(
-            "prompt_token_ids must be a list of non-negative token IDs", param="prompt_token_ids"
-        )
+    prompt_ids = _stream_prompt_ids(req.prompt_token_ids)
     check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
-    state = _stream_state(req, tok, prompt_ids or chunk.prompt_token_ids)
-    request, match = req.completion_request, None
-    choices: list[CompletionChoice] = []
+    opts = ChoiceOptions.of(req.client)
+    state = _stream_state(req.stream_state, tok, opts, prompt_ids or chunk.prompt_token_ids)
+    call = StreamCall(tok, req.client, chunk, state)
+    choices: list[Any] = []
+    match = None
     if c is not None:
-        out = _decode(tok, ChoiceOptions.of(request), state, c)
-        logprobs = _completion_logprobs(tok, out, request)
-        if logprobs is not None and logprobs.tokens:
-            # monolithic vLLM continues offsets by token lengths, not by the text sent
-            state.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        out = decode_choice(tok, opts, state, c)
         if not state.stopped or out.stop_string is not None:
-            choices.append(
-                CompletionChoice(
-                    index=c.index,
-                    text=out.text,
-                    logprobs=logprobs,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                    prompt_token_ids=chunk.prompt_token_ids if _returns_ids(request) else None,
-                    token_ids=out.token_ids if _returns_ids(request) else None,
-                )
-            )
+            choices.append(pieces.stream_choice(call, c.index, out))
         match = _stop_match(out, state)
-    result = CompletionChunk(
-        id=chunk.request_id,
-        created=int(time.time()),
-        model=model,
-        choices=choices,
-        usage=_stream_usage(req, chunk),
+    return DerenderStreamResponse(
+        chunk=pieces.stream_chunk(call, model, choices, _stream_usage(req, chunk)),
+        stream_state=state.to_wire(),
+        stop_match=match,
     )
-    return DerenderCompletionStreamResponse(
-        chunk=result, stream_state=state.to_wire(), stop_match=match
-    )
+
+
+PIECES: dict[KindName, Pieces] = {
+    "chat": Pieces(derender_chat, _chat_stream_choice, _chat_chunk),
+    "completion": Pieces(derender_completion, _completion_stream_choice, _completion_chunk),
+}
+
+
+def derender(kind: Kind, req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings) -> Any:
+    """The answer to one derender call of `kind`: a whole response, or one stream chunk's."""
+    pieces = PIECES[kind.name]
+    if req.stream:
+        return derender_stream(pieces, req, tok, s)
+    return pieces.whole(req, tok, s)

@@ -5,16 +5,20 @@ The algorithm is the one monolithic vLLM runs for fast tokenizers (`tokenizers`'
 previous decode, and hold everything back while the text ends in U+FFFD (an incomplete UTF-8
 sequence). Keeping the state as token IDs (not token strings) lets a stateless server check it:
 a forged window is just IDs, validated against the vocabulary like any other.
+
+The window stays within `DETOK_STATE_IDS` for any token sequence: IDs the tokenizer drops before
+decoding (skipped special tokens, padding rows) never enter it, a held-back part reaching
+`DETOK_MAX_WINDOW` is emitted, and the emitted part is cut from the left when the held-back
+part grows long (it keeps `DETOK_STATE_IDS - DETOK_MAX_WINDOW + 1` IDs, more than the
+`DETOK_PROMPT_SEED` of context a stream starts with).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenline.shared.limits import DETOK_MAX_WINDOW, DETOK_PROMPT_SEED, DETOK_STATE_IDS
 from tokenline.shared.tokenizer import ModelTokenizer
-
-PROMPT_SEED = 6  # prompt IDs kept as context; enough for any UTF-8 sequence and a space marker
-MAX_WINDOW = 64  # a window this long means garbage bytes: emit rather than grow without bound
 
 
 @dataclass
@@ -25,9 +29,13 @@ class DetokState:
     prefix: int = 0
     last_special: bool = False
 
+    @property
+    def held(self) -> int:
+        return len(self.ids) - self.prefix
+
 
 def seed(prompt_ids: list[int] | None) -> DetokState:
-    tail = list((prompt_ids or [])[-PROMPT_SEED:])
+    tail = list((prompt_ids or [])[-DETOK_PROMPT_SEED:])
     return DetokState(ids=tail, prefix=len(tail))
 
 
@@ -41,7 +49,7 @@ class Detokenizer:
     state: DetokState
 
     def feed(self, token_id: int) -> str:
-        text = self._step(token_id)
+        text = self._step(token_id) if self._shows(token_id) else ""
         if self.skip_special_tokens or self.spaces_between_special_tokens:
             return text
         # vLLM's quirk for spaces_between_special_tokens=False: a special token right after
@@ -52,6 +60,14 @@ class Detokenizer:
         self.state.last_special = special is not None
         return text
 
+    def _shows(self, token_id: int) -> bool:
+        """False for an ID the tokenizer drops before decoding (a skipped special token, a
+        padding row): leaving it out of the window changes no text, as in DecodeStream, whose
+        window would only grow with it."""
+        if token_id >= self.tok.tokenizer_size:
+            return False
+        return not (self.skip_special_tokens and token_id in self.tok.special_ids)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -61,8 +77,9 @@ class Detokenizer:
         prefix_text = self._decode(ids[: state.prefix])
         text = self._decode(ids)
         pending = len(text) <= len(prefix_text) or text.endswith("\ufffd")
-        if pending and len(ids) - state.prefix < MAX_WINDOW:
-            state.ids = ids
+        if pending and len(ids) - state.prefix < DETOK_MAX_WINDOW:
+            cut = max(0, len(ids) - DETOK_STATE_IDS)
+            state.ids, state.prefix = ids[cut:], state.prefix - cut
             return ""
         if not text.startswith(prefix_text):
             # DecodeStream's "invalid prefix": vLLM restarts the stream from this token alone.

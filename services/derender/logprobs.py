@@ -1,9 +1,9 @@
 """Integer-keyed generate logprobs as OpenAI logprobs: token text, bytes, U+FFFD repair (sans-IO).
 
-A byte-fallback token that decodes alone to U+FFFD is decoded again with up to 4 preceding
-*sampled* IDs as context (vLLM's `_correct_decoded_token`): the first half of a split character
-reports "" and the token that completes it reports the whole character. The context crosses
-chunk boundaries through `logprob_context_token_ids` in the stream state.
+A byte-fallback token that decodes alone to U+FFFD is decoded again with up to `LOGPROB_CONTEXT`
+preceding *sampled* IDs as context (vLLM's `_correct_decoded_token`): the first half of a split
+character reports "" and the token that completes it reports the whole character. The context
+crosses chunk boundaries through `logprob_context_token_ids` in the stream state.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenline.shared.limits import LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     ChatLogprob,
@@ -20,12 +21,11 @@ from tokenline.shared.wire import (
     TopLogprob,
 )
 
-CONTEXT = 4
 REPLACEMENT = "\ufffd"
 
 
 def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> str:
-    for n in range(1, min(len(context), CONTEXT) + 1):
+    for n in range(1, min(len(context), LOGPROB_CONTEXT) + 1):
         window = list(context[-n:])
         full = tok.decode([*window, token_id], skip_special_tokens=False)
         if full.endswith(REPLACEMENT):
@@ -79,10 +79,10 @@ class LogprobResolver:
 
     def __init__(self, tok: ModelTokenizer, context: Sequence[int]) -> None:
         self.tok = tok
-        self.context = list(context)[-CONTEXT:]
+        self.context = list(context)[-LOGPROB_CONTEXT:]
 
     def _advance(self, token_id: int) -> None:
-        self.context = [*self.context, token_id][-CONTEXT:]
+        self.context = [*self.context, token_id][-LOGPROB_CONTEXT:]
 
     def chat(
         self, entries: Sequence[GenerateLogProbsContent], top: int | None

@@ -9,7 +9,18 @@ are not part of the output (and not counted in usage).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+STOP_TAIL_CHARS = 65536
+"""What a stream state's stop tail may hold whatever the request says; longer only when the
+request's own stop strings need it (`tail_room`)."""
+
+
+def tail_room(stops: Sequence[str]) -> int:
+    """The most characters a stop tail holds between chunks: the longest stop string less one
+    (text a match could still start in; unsent text is never more than that)."""
+    return max(map(len, stops), default=1) - 1
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,7 @@ class StopChecker:
 
     @property
     def context(self) -> int:
-        return max(map(len, self.stops), default=1) - 1
+        return tail_room(self.stops)
 
     @property
     def holdback(self) -> int:
@@ -73,13 +84,17 @@ class StopChecker:
         return found
 
     def release(self, final: bool) -> str:
-        """The text that can be sent now: all of it at the end, else all but the hold-back."""
+        """The text that can be sent now: all of it at the end, else all but the hold-back.
+
+        The tail then keeps only what a match could still start in and what is unsent, so
+        between chunks it is never longer than `tail_room(stops)`.
+        """
         hold = 0 if final else min(self.holdback, self.state.unsent)
         n = self.state.unsent - hold
-        if n <= 0:
-            return ""
         tail = self.state.tail
         start = len(tail) - self.state.unsent
-        out = tail[start : start + n]
+        out = tail[start : start + n] if n > 0 else ""
         self.state.unsent = hold
+        keep = max(self.context, self.state.unsent)
+        self.state.tail = tail[-keep:] if keep else ""
         return out

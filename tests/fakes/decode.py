@@ -16,6 +16,7 @@ class EndlessDecode:
         self.cancelled_at: float | None = None
         self.aborted_at: float | None = None
         self.aborted_ids: list[str] = []
+        self.started_ids: list[str] = []
         self.app = web.Application(handler_args={"handler_cancellation": True})
         self.app.router.add_post("/inference/v1/generate", self.generate)
         self.app.router.add_post("/inference/v1/abort_requests", self.abort)
@@ -24,6 +25,7 @@ class EndlessDecode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         rid = "generate-tokens-" + request.headers.get("X-Request-Id", "x")
+        self.started_ids.append(rid)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:

@@ -18,12 +18,8 @@ from hypothesis import strategies as st
 from tokenizers.decoders import DecodeStream
 
 from tokenline.services.derender.bounds import DerenderSettings
-from tokenline.services.derender.derender import (
-    derender_chat,
-    derender_chat_stream,
-    derender_completion,
-    derender_completion_stream,
-)
+from tokenline.services.derender.derender import derender
+from tokenline.shared.kinds import CHAT, COMPLETION
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     DERENDER_CHAT,
@@ -106,7 +102,7 @@ def whole(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
         "prompt_token_ids": g["prompt"],
         "chat_request": g["request"],
     }
-    out = derender_chat(DERENDER_CHAT.decode(JSON.encode(body)), tok, SETTINGS)
+    out = derender(CHAT, DERENDER_CHAT.decode(JSON.encode(body)), tok, SETTINGS)
     choice = out.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
     return {
@@ -146,7 +142,7 @@ def streamed(g: dict[str, Any], tok: ModelTokenizer) -> dict[str, Any]:
             "prompt_token_ids": g["prompt"] if k == 0 else None,
             "chat_request": g["request"],
         }
-        out = derender_chat_stream(DERENDER_CHAT.decode(JSON.encode(body)), tok, SETTINGS)
+        out = derender(CHAT, DERENDER_CHAT.decode(JSON.encode(body)), tok, SETTINGS)
         # the state travels as JSON, as it would through a proxy
         state = msgspec.to_builtins(STATE.decode(JSON.encode(out.stream_state)))
         for c in out.chunk.choices:
@@ -219,7 +215,7 @@ def test_completion_offsets_are_absolute_across_chunks(tiny_tok: ModelTokenizer)
         ],
         "completion_request": req,
     }
-    one = derender_completion(DERENDER_COMPLETION.decode(JSON.encode(whole_body)), tok, SETTINGS)
+    one = derender(COMPLETION, DERENDER_COMPLETION.decode(JSON.encode(whole_body)), tok, SETTINGS)
     assert one.choices[0].logprobs is not None
     offsets, tokens, state = [], [], None
     for i in range(len(ids)):
@@ -240,9 +236,7 @@ def test_completion_offsets_are_absolute_across_chunks(tiny_tok: ModelTokenizer)
             "stream_state": state,
             "completion_request": req,
         }
-        out = derender_completion_stream(
-            DERENDER_COMPLETION.decode(JSON.encode(body)), tok, SETTINGS
-        )
+        out = derender(COMPLETION, DERENDER_COMPLETION.decode(JSON.encode(body)), tok, SETTINGS)
         state = msgspec.to_builtins(out.stream_state)
         lp = out.chunk.choices[0].logprobs
         assert lp is not None

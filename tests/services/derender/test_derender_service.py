@@ -100,6 +100,80 @@ def test_batched_form_equals_single_calls(fleet: Fleet, derender_tiny: Server) -
         assert out["chunk"]["choices"] == single["chunk"]["choices"]
 
 
+def _chunk_call(ids: list[int], kind: str = "chat", **extra: Any) -> dict[str, Any]:
+    client = {"model": "tiny", "max_tokens": 24, "return_token_ids": True}
+    client |= (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1}
+        if kind == "chat"
+        else {"prompt": "x", "logprobs": 1}
+    )
+    entries = [{"token_id": t, "logprob": -0.5, "rank": 1, "top_logprobs": []} for t in ids]
+    chunk = {
+        "request_id": f"r{len(ids)}",
+        "choices": [{"index": 0, "token_ids": ids, "logprobs": {"content": entries}}],
+    }
+    field = "chat_request" if kind == "chat" else "completion_request"
+    return {"stream": True, "model": "tiny", "generate_chunk": chunk, field: client} | extra
+
+
+def _same_answer(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Equal but for the chunk's `created` second."""
+    a, b = dict(a), dict(b)
+    a["chunk"] = {k: v for k, v in a["chunk"].items() if k != "created"}
+    b["chunk"] = {k: v for k, v in b["chunk"].items() if k != "created"}
+    assert a == b
+
+
+def test_batch_item_errors_are_their_own(derender_tiny: Server, tiny_tok: Any) -> None:
+    """One bad item among good ones: each good item is answered exactly as a single call, the
+    bad ones get vLLM's envelope naming their field, and the batch still answers 200."""
+    hello = tiny_tok.encode(" hello world 鑫龘", add_special_tokens=False)
+    other = tiny_tok.encode("😀 ab\nEND", add_special_tokens=False)
+    good = [_chunk_call(hello), _chunk_call(other, prompt_token_ids=hello)]
+    bad: list[tuple[Any, int, str | None, str]] = [
+        (_chunk_call([1, -3]), 400, "generate_chunk.choices[0].token_ids[1]", ">= 0"),
+        (_chunk_call([1, 999999]), 400, "token_ids", "vocabulary"),
+        ({"stream": True}, 400, "generate_chunk", "required"),
+        (_chunk_call([1], model="other"), 404, "model", "does not exist"),
+        (7, 400, None, "Expected `object`"),
+    ]
+    items = [good[0], *(b[0] for b in bad), good[1]]
+    url = derender_tiny.url + "/v1/chat/completions/derender"
+    status, answers = post(url + "/batch", {"requests": items})
+    assert status == 200 and len(answers) == len(items)
+    for body, answer in zip(good, [answers[0], answers[-1]], strict=True):
+        single_status, single = post(url, body)
+        assert single_status == 200
+        _same_answer(answer, single)
+    for (body, code, param, needle), answer in zip(bad, answers[1:-1], strict=True):
+        error = answer["error"]
+        assert (error["code"], error["param"]) == (code, param), error
+        assert needle in error["message"]
+        if isinstance(body, dict):
+            assert post(url, body) == (code, answer)
+
+
+def test_completion_batch_item_errors_are_their_own(derender_tiny: Server, tiny_tok: Any) -> None:
+    ids = tiny_tok.encode(" hello world", add_special_tokens=False)
+    good = _chunk_call(ids, "completion")
+    bad = _chunk_call(ids, "completion", prompt_token_ids=["x"])
+    url = derender_tiny.url + "/v1/completions/derender"
+    status, answers = post(url + "/batch", {"requests": [bad, good]})
+    assert status == 200
+    assert answers[0]["error"]["param"] == "prompt_token_ids"
+    _same_answer(answers[1], post(url, good)[1])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{]", {}, {"requests": []}, {"requests": 5}, {"requests": [{}] * 257}],
+    ids=["malformed", "no-requests", "empty", "not-a-list", "too-many"],
+)
+def test_a_body_that_is_no_batch_is_a_400(derender_tiny: Server, body: Any) -> None:
+    status, out = post(derender_tiny.url + "/v1/chat/completions/derender/batch", body)
+    assert status == 400 and out["error"]["code"] == 400
+
+
 def _choice(ids: list[int], **extra: Any) -> dict[str, Any]:
     return {
         "request_id": "r",
