@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from tokenline.shared.errors import UpstreamError
-from tokenline.shared.kinds import COMPLETION, Kind
+from tokenline.shared.kinds import COMPLETION, DERENDER_READS, Kind
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     GENERATE_CHUNK,
@@ -191,11 +191,29 @@ def _merged(a: GenerateStreamChoice, b: GenerateStreamChoice) -> GenerateStreamC
 
 
 @dataclass(frozen=True)
+class DerenderView:
+    """The client request as a stream's derender calls carry it: only the fields derender
+    reads (`DERENDER_READS`), encoded once per stream, not the whole body with every chunk."""
+
+    raw: bytes
+    """JSON, for JSON transports (sent as it is, never re-encoded)."""
+    request: ClientRequest
+    """The same, decoded, for binary transports."""
+
+    @classmethod
+    def of(cls, kind: Kind, client: ClientRequest) -> DerenderView:
+        kept = {name: getattr(client, name) for name in DERENDER_READS if hasattr(client, name)}
+        raw = msgspec.json.encode({**kind.prompt_stub, **kept})
+        return cls(raw, kind.client_request.decode(raw))
+
+
+@dataclass(frozen=True)
 class StreamCall:
     """One streaming derender call: a generate chunk with the state of the previous call.
 
-    `client_raw` is the client's own JSON body (sent as it is over JSON transports, never
-    re-encoded); `client` is the same request decoded (for binary transports).
+    `client_raw` is the client's request as derender needs it, in JSON (sent as it is over
+    JSON transports, never re-encoded); `client` is the same request decoded (for binary
+    transports).
     """
 
     kind: Kind
@@ -275,6 +293,10 @@ class StreamFlow:
     rendered: Rendered
     progress: dict[tuple[int, int], ChoiceProgress] = field(default_factory=dict)
     model: str = ""
+    view: DerenderView = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.view = DerenderView.of(self.kind, self.client)
 
     @property
     def gens(self) -> list[GenerateRequest]:
@@ -291,7 +313,13 @@ class StreamFlow:
             return None
         gen = self.gens[p]
         return StreamCall(
-            self.kind, self.client.model, chunk, prog.state, gen.token_ids, self.raw, self.client
+            self.kind,
+            self.client.model,
+            chunk,
+            prog.state,
+            gen.token_ids,
+            self.view.raw,
+            self.view.request,
         )
 
     def accept(self, p: int, chunk: GenerateStreamChunk, answer: StreamAnswer) -> Emission | None:

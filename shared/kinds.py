@@ -28,6 +28,21 @@ from tokenline.shared.wire import (
 )
 
 KindName = Literal["chat", "completion"]
+DERENDER_READS = (
+    "model",
+    "logprobs",
+    "top_logprobs",
+    "return_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "stop",
+    "include_stop_str_in_output",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+)
+"""The client request fields derender reads (a test keeps this in step with derender's code):
+a stream's derender calls carry only these, not the whole client body with every chunk."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,9 @@ class Kind:
     derender_msgpack: msgspec.msgpack.Decoder[Any]
     stream_answer_json: msgspec.json.Decoder[Any]
     stream_answer_msgpack: msgspec.msgpack.Decoder[Any]
+    prompt_stub: dict[str, Any]
+    """What stands for the prompt in the client request a stream's derender calls carry (derender
+    never reads the prompt; vLLM's request type requires one)."""
 
     @property
     def batch_path(self) -> str:
@@ -76,6 +94,7 @@ CHAT = Kind(
     derender_msgpack=msgspec.msgpack.Decoder(DerenderChatRequest),
     stream_answer_json=msgspec.json.Decoder(DerenderChatStreamResponse),
     stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderChatStreamResponse),
+    prompt_stub={"messages": [{"role": "user", "content": ""}]},
 )
 COMPLETION = Kind(
     name="completion",
@@ -92,5 +111,6 @@ COMPLETION = Kind(
     derender_msgpack=msgspec.msgpack.Decoder(DerenderCompletionRequest),
     stream_answer_json=msgspec.json.Decoder(DerenderCompletionStreamResponse),
     stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderCompletionStreamResponse),
+    prompt_stub={"prompt": ""},
 )
 KINDS = {k.name: k for k in (CHAT, COMPLETION)}

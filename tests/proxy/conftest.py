@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import re
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -99,3 +101,29 @@ IN_FLIGHT = re.compile(r'tokenline_proxy_in_flight_requests\{pool="(\w+)"\} ([0-
 def proxy_in_flight(proxy: Server) -> dict[str, float]:
     _, raw = get(proxy.url + "/metrics")
     return {m.group(1): float(m.group(2)) for m in IN_FLIGHT.finditer(raw.decode())}
+
+
+def open_stream(
+    url: str, body: dict[str, object], headers: dict[str, str] | None = None
+) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps(body).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra}"
+        "\r\n".encode()
+        + payload
+    )
+    return sock
+
+
+def read_until(sock: socket.socket, needle: bytes, limit: int = 1 << 20) -> bytes:
+    data = b""
+    while needle not in data and len(data) < limit:
+        part = sock.recv(65536)
+        if not part:
+            break
+        data += part
+    return data

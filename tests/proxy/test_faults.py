@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,9 @@ from tests.conftest import Fleet
 from tests.proxy.conftest import (
     Pipeline,
     engine_metric,
+    open_stream,
     proxy_in_flight,
+    read_until,
     start_pipeline,
     wait_for,
 )
@@ -35,40 +36,14 @@ LONG = {
 }
 
 
-def _open_stream(
-    url: str, body: dict[str, object], headers: dict[str, str] | None = None
-) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    payload = json.dumps(body).encode()
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    sock.sendall(
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra}"
-        "\r\n".encode()
-        + payload
-    )
-    return sock
-
-
-def _read_until(sock: socket.socket, needle: bytes, limit: int = 1 << 20) -> bytes:
-    data = b""
-    while needle not in data and len(data) < limit:
-        part = sock.recv(65536)
-        if not part:
-            break
-        data += part
-    return data
-
-
 ABORT_CALLS = ("http_requests_total", 'handler="/inference/v1/abort_requests"')
 
 
 def test_client_disconnect_aborts_engine_request(fleet: Fleet, pipeline: Pipeline) -> None:
     aborts = engine_metric(fleet.generate, *ABORT_CALLS)
     finished = engine_metric(fleet.generate, "vllm:request_success_total")
-    sock = _open_stream(pipeline.proxy.url, LONG)
-    head = _read_until(sock, b'"content"')
+    sock = open_stream(pipeline.proxy.url, LONG)
+    head = read_until(sock, b'"content"')
     assert b"200 OK" in head
     assert wait_for(lambda: engine_metric(fleet.generate, "vllm:num_requests_running") == 1)
     sock.close()
@@ -113,10 +88,10 @@ def two_derenders(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
 def test_derender_replica_killed_mid_stream(fleet: Fleet, two_derenders: Pipeline) -> None:
     body = {**LONG, "max_tokens": 300}
     _, expected = post(fleet.oracle.url + "/v1/chat/completions", {**body, "stream": False})
-    sock = _open_stream(two_derenders.proxy.url, body)
-    data = _read_until(sock, b'"content"')
+    sock = open_stream(two_derenders.proxy.url, body)
+    data = read_until(sock, b'"content"')
     two_derenders.derenders[0].stop(signal.SIGKILL)
-    data += _read_until(sock, b"data: [DONE]")
+    data += read_until(sock, b"data: [DONE]")
     sock.close()
     text = ""
     for event in data.split(b"\n\n"):
@@ -190,17 +165,22 @@ def test_api_key_body_limit_and_request_id(fleet: Fleet, tiny_model: Path) -> No
 
 
 def _assembled(raw: bytes) -> dict[str, object]:
-    """A stream's content, whatever its chunking (which depends on timing)."""
-    text, logprobs, finish, usage = "", [], None, None
+    """A stream's content per choice, whatever its chunking (which depends on timing)."""
+    text: dict[int, str] = {}
+    logprobs: dict[int, list[object]] = {}
+    finish: dict[int, str] = {}
+    usage = None
     for event in raw.split(b"\n\n"):
         if not event.startswith(b"data: {"):
             continue
         chunk = json.loads(event[6:])
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:
-            text += c["delta"].get("content") or ""
-            logprobs += (c.get("logprobs") or {}).get("content") or []
-            finish = c.get("finish_reason") or finish
+            i = c["index"]
+            text[i] = text.get(i, "") + (c["delta"].get("content") or "")
+            logprobs.setdefault(i, []).extend((c.get("logprobs") or {}).get("content") or [])
+            if c.get("finish_reason"):
+                finish[i] = c["finish_reason"]
     return {"text": text, "logprobs": logprobs, "finish": finish, "usage": usage}
 
 
@@ -227,7 +207,14 @@ def test_every_derender_transport_gives_the_same_answers(
     bodies = [
         {**LONG, "max_tokens": 20, "logprobs": True, "top_logprobs": 2},
         {**LONG, "max_tokens": 20, "stop": ["zz"], "stream_options": {"include_usage": True}},
-        {**LONG, "max_tokens": 12, "n": 2, "stream_options": {"include_usage": True}},
+        {
+            **LONG,
+            "max_tokens": 12,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 7,
+            "stream_options": {"include_usage": True},
+        },
     ]
     try:
         for body in bodies:

@@ -3,7 +3,9 @@ bookkeeping, index remapping, usage and the tokens behind ITL."""
 
 from __future__ import annotations
 
+import ast
 import itertools
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -24,7 +26,7 @@ from tokenline.proxy.flow import (
     whole_derender_body,
 )
 from tokenline.shared.errors import UpstreamError
-from tokenline.shared.kinds import CHAT, COMPLETION
+from tokenline.shared.kinds import CHAT, COMPLETION, DERENDER_READS
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     CHAT_REQUEST,
@@ -236,3 +238,38 @@ def test_usage_final_and_continuous() -> None:
     emission = continuous.accept(0, c, answer(1, "x"))
     assert emission is not None and emission.chunk.usage is not None
     assert emission.chunk.usage.total_tokens == 4
+
+
+def test_derender_calls_carry_only_what_derender_reads() -> None:
+    history = [{"role": "user", "content": "x" * 100_000}] * 20
+    body = msgspec.json.encode(
+        {"messages": history, "stream": True, "stop": ["a"], "logprobs": True, "top_logprobs": 3}
+    )
+    flow = StreamFlow(CHAT, CHAT_REQUEST.decode(body), body, Rendered.of([gen()], "n"))
+    call = flow.call(0, chunk(0, [1]))
+    assert call is not None
+    assert len(call.client_raw) < 1000 < len(body)  # not the whole body with every chunk
+    view = CHAT_REQUEST.decode(call.client_raw)
+    for name in DERENDER_READS:
+        assert getattr(view, name) == getattr(flow.client, name), name
+    assert call.client == view
+    completion = COMPLETION_REQUEST.decode(b'{"prompt": "long prompt", "logprobs": 2}')
+    raw = msgspec.json.encode({"prompt": "long prompt", "logprobs": 2})
+    flow = StreamFlow(COMPLETION, completion, raw, Rendered.of([gen()], "n"))
+    assert flow.view.request.prompt == "" and flow.view.request.logprobs == 2
+
+
+def test_derender_reads_no_client_field_the_view_leaves_out() -> None:
+    """Every attribute derender's code reads off a client `request` is in DERENDER_READS."""
+    root = Path(__file__).resolve().parents[2] / "services" / "derender"
+    read: set[str] = set()
+    for module in root.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "request"
+            ):
+                read.add(node.attr)
+    read -= {"app", "match_info", "headers", "read", "content_type"}  # aiohttp's request
+    assert read and read <= set(DERENDER_READS), read - set(DERENDER_READS)

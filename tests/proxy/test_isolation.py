@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Fleet
-from tests.proxy.conftest import Pipeline, start_pipeline
+from tests.proxy.conftest import Pipeline, open_stream, read_until, start_pipeline
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import get, post, post_raw
 
@@ -44,7 +44,7 @@ def poison() -> list[tuple[str, str, dict[str, Any], tuple[int, ...]]]:
         (
             "template kwargs",
             CHAT,
-            {"messages": hello, "chat_template_kwargs": {"documents": 1}},
+            {"messages": hello, "chat_template_kwargs": {"documents": 1}, "max_tokens": 5},
             (200, 400),
         ),
         (
@@ -159,12 +159,15 @@ def assembled(raw: bytes) -> tuple[str, list[Any], str | None]:
 
 def run_all(url: str, bodies: list[dict[str, Any]], during: Callable[[], None] | None) -> list[Any]:
     stop = threading.Event()
-    poisoner = None
+    poisoner, failures = None, []
     if during is not None:
 
         def loop() -> None:
-            while not stop.is_set():
-                during()
+            try:
+                while not stop.is_set():
+                    during()
+            except Exception as exc:  # surfaced in the test's thread below
+                failures.append(exc)
 
         poisoner = threading.Thread(target=loop, daemon=True)
         poisoner.start()
@@ -175,12 +178,14 @@ def run_all(url: str, bodies: list[dict[str, Any]], during: Callable[[], None] |
         stop.set()
         if poisoner is not None:
             poisoner.join(120)
+        if failures:
+            raise failures[0]
 
 
 def test_mixed_hostile_load_changes_nothing_for_normal_requests(
     fleet: Fleet, guarded: Pipeline
 ) -> None:
-    bodies = normal_requests(240)
+    bodies = normal_requests(360)
     url = guarded.proxy.url
     quiet = run_all(url, bodies, None)
     sent: list[tuple[str, int]] = []
@@ -191,7 +196,7 @@ def test_mixed_hostile_load_changes_nothing_for_normal_requests(
         status, _ = send_poison(url, path, body)
         sent.append((name, status))
         assert status in ok, (name, status)
-        time.sleep(0.05)
+        time.sleep(0.02)
 
     loud = run_all(url, bodies, one_poison)
     assert len(sent) >= len(cases)  # every kind of poison went in while streams ran
@@ -217,8 +222,8 @@ def test_a_shared_request_id_never_aborts_another_clients_stream(
     same = {"X-Request-Id": "shared-id"}
     _, expected = post(fleet.oracle.url + CHAT, {**body, "stream": False})
     first = _stream_in_background(guarded.proxy.url, body, same)
-    second = _open(guarded.proxy.url, body, same)
-    assert b'"content"' in _read_until(second, b'"content"')
+    second = open_stream(guarded.proxy.url, body, same)
+    assert b'"content"' in read_until(second, b'"content"')
     second.close()
     raw = first.result(timeout=120)
     text, _, finish = assembled(raw.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in raw else raw)
@@ -227,38 +232,13 @@ def test_a_shared_request_id_never_aborts_another_clients_stream(
     assert b"X-Request-Id: shared-id" in raw.split(b"\r\n\r\n", 1)[0]  # echoed back
 
 
-def _open(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-    import socket
-
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    payload = json.dumps(body).encode()
-    extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    sock.sendall(
-        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nConnection: close\r\n{extra}\r\n".encode()
-        + payload
-    )
-    return sock
-
-
-def _read_until(sock: Any, needle: bytes) -> bytes:
-    data = b""
-    while needle not in data:
-        part = sock.recv(65536)
-        if not part:
-            break
-        data += part
-    return data
-
-
 def _stream_in_background(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
     pool = ThreadPoolExecutor(1)
 
     def read() -> bytes:
-        sock = _open(url, body, headers)
+        sock = open_stream(url, body, headers)
         try:
-            return _dechunked(_read_until(sock, b"data: [DONE]"))
+            return _dechunked(read_until(sock, b"data: [DONE]"))
         finally:
             sock.close()
 

@@ -17,16 +17,9 @@ from tests.proxy.conftest import Pipeline, engine_metric, start_pipeline
 from tokenline.launch.bench.http import post, post_raw
 from tokenline.launch.process import Process, free_port
 from tokenline.launch.servers import log_file
+from tokenline.proxy.flow import PREFILL_PARAMS
 
 SOURCE = "vllm:prompt_tokens_by_source_total"
-PREFILL_LEG = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 TOLERANCE = 0.01  # bf16/fp32 CPU kernels batch differently; measured differences stay < 0.008
 
 
@@ -96,7 +89,7 @@ def test_negative_control_wrong_kv_moves_logprobs(fleet: Fleet) -> None:
     kv_b = generate(
         fleet.prefill,
         b,
-        kv_transfer_params=PREFILL_LEG,
+        kv_transfer_params=PREFILL_PARAMS,
         sampling_params={"max_tokens": 1, "temperature": 0},
     )["kv_transfer_params"]
     a_with_b = generate(fleet.decode, a, kv_transfer_params=kv_b, cache_salt=uuid.uuid4().hex)
@@ -105,7 +98,7 @@ def test_negative_control_wrong_kv_moves_logprobs(fleet: Fleet) -> None:
     kv_a = generate(
         fleet.prefill,
         a,
-        kv_transfer_params=PREFILL_LEG,
+        kv_transfer_params=PREFILL_PARAMS,
         sampling_params={"max_tokens": 1, "temperature": 0},
     )["kv_transfer_params"]
     a_with_a = generate(fleet.decode, a, kv_transfer_params=kv_a, cache_salt=uuid.uuid4().hex)
