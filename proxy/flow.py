@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from tokenline.shared.errors import UpstreamError
-from tokenline.shared.kinds import COMPLETION, DERENDER_READS, Kind
+from tokenline.shared.kinds import DERENDER_READS, Kind
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     GENERATE_CHUNK,
@@ -60,7 +60,7 @@ def engine_request(
     """
     params = gen.sampling_params
     changes: dict[str, Any] = {"stop": None, "include_stop_str_in_output": False}
-    if kind is COMPLETION and params.logprobs is not None and params.logprobs >= 0:
+    if kind.logprobs_include_sampled and params.logprobs is not None and params.logprobs >= 0:
         changes["logprobs"] = min(params.logprobs + 1, MAX_LOGPROBS)
     extra = dict(params.extra_args or {})
     extra.pop("kv_transfer_params", None)
@@ -246,16 +246,16 @@ def whole_derender_body(
 ) -> dict[str, Any]:
     """vLLM's non-streaming derender body for every prompt's generate answer."""
     body: dict[str, Any] = {"model": client.model, kind.request_field: msgspec.Raw(raw)}
-    if kind is COMPLETION:
+    if kind.one_prompt:
         return body | {
-            "generate_responses": responses,
-            "prompt_token_ids": [g.token_ids for g in gens],
-            "prompt_tokens": [len(g.token_ids) for g in gens],
+            "generate_response": responses[0],
+            "prompt_token_ids": gens[0].token_ids,
+            "prompt_tokens": len(gens[0].token_ids),
         }
     return body | {
-        "generate_response": responses[0],
-        "prompt_token_ids": gens[0].token_ids,
-        "prompt_tokens": len(gens[0].token_ids),
+        "generate_responses": responses,
+        "prompt_token_ids": [g.token_ids for g in gens],
+        "prompt_tokens": [len(g.token_ids) for g in gens],
     }
 
 

@@ -65,6 +65,12 @@ class Kind:
     derender_msgpack: msgspec.msgpack.Decoder[Any]
     stream_answer_json: msgspec.json.Decoder[Any]
     stream_answer_msgpack: msgspec.msgpack.Decoder[Any]
+    one_prompt: bool
+    """A request has exactly one prompt (chat), else a list of them (completions): derender's
+    whole-answer body names its fields in the singular or the plural."""
+    logprobs_include_sampled: bool
+    """OpenAI's completions show the sampled token besides the top `logprobs` candidates, so the
+    engine is asked for one more (chat shows exactly `top_logprobs`)."""
     prompt_stub: dict[str, Any]
     """What stands for the prompt in the client request a stream's derender calls carry (derender
     never reads the prompt; vLLM's request type requires one)."""
@@ -94,6 +100,8 @@ CHAT = Kind(
     derender_msgpack=msgspec.msgpack.Decoder(DerenderChatRequest),
     stream_answer_json=msgspec.json.Decoder(DerenderChatStreamResponse),
     stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderChatStreamResponse),
+    one_prompt=True,
+    logprobs_include_sampled=False,
     prompt_stub={"messages": [{"role": "user", "content": ""}]},
 )
 COMPLETION = Kind(
@@ -111,6 +119,8 @@ COMPLETION = Kind(
     derender_msgpack=msgspec.msgpack.Decoder(DerenderCompletionRequest),
     stream_answer_json=msgspec.json.Decoder(DerenderCompletionStreamResponse),
     stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderCompletionStreamResponse),
+    one_prompt=False,
+    logprobs_include_sampled=True,
     prompt_stub={"prompt": ""},
 )
 KINDS = {k.name: k for k in (CHAT, COMPLETION)}
