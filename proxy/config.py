@@ -39,6 +39,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queued: NonNegative = 1024
     """Requests waiting for a slot; more are refused with 429 and Retry-After."""
     max_body_bytes: Positive = 32 * 1024 * 1024
+    """Largest request body accepted; larger ones are refused with 413."""
     resolve_interval: Seconds = 10.0
     retry_attempts: Positive = 3
     retry_timeout: Seconds = 10.0
@@ -73,7 +74,6 @@ CLI = CommandLine(
     | {"port": Option(env="TOKENLINE_PORT"), "api_key": Option(env="TOKENLINE_API_KEY")},
     # Tuning kept off the command line until someone needs it: each would be one more flag.
     exclude={
-        "max_body_bytes",
         "resolve_interval",
         "retry_attempts",
         "retry_timeout",
