@@ -134,6 +134,58 @@ class SamplingFields(Wire, kw_only=True):
     echo: bool = False
     use_beam_search: bool = False
     user: str | None = None
+    # vLLM request fields tokenline does not honour yet (`NOT_HONOURED`): decoded, so never
+    # silently dropped, and refused by render with a 400 naming them unless they hold the value
+    # that means "not asked for".
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    logprob_token_ids: Any = None
+    watermarking: Any = None
+    length_penalty: Any = None
+    session_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    ec_transfer_params: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
+
+
+NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "truncation_side": (None,),
+    "response_format": (None,),
+    "structured_outputs": (None,),
+    "logprob_token_ids": (None,),
+    "watermarking": (None, False),
+    "length_penalty": (None, 1.0),
+    "session_id": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "routed_experts_prompt_start": (None, 0),
+    "return_token_offsets": (None, False),
+    "mm_payload": (None, "tensors"),
+    "return_mm_kwargs": (None, False),
+    "ec_transfer_params": (None,),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None,),
+    "stream_interval": (None, 1),
+    "reasoning_effort": (None,),
+    "media_io_kwargs": (None,),
+    "mm_processor_kwargs": (None,),
+    "return_prompt_text": (None, False),
+    "prompt_embeds": (None,),
+}
+"""vLLM request fields tokenline decodes but cannot honour yet, each with the values that mean
+"not asked for" (vLLM's defaults). Any other value is a 400 naming the field, never ignored."""
 
 
 class FunctionDefinition(Wire, kw_only=True):
@@ -163,6 +215,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     include_reasoning: bool = True
+    reasoning_effort: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
 
 
 # str, list[str], list[int] or list[list[int]]; msgspec unions allow one list type, so render
@@ -176,6 +232,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     """OpenAI's legacy default; an explicit null also means 16 (as in vLLM)."""
     logprobs: Annotated[int, Meta(ge=-1)] | None = None
     suffix: str | None = None
+    prompt_embeds: Any = None
 
 
 # --------------------------------------------------------------------------- generate request

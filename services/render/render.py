@@ -33,6 +33,7 @@ from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.served import served_name
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
+    NOT_HONOURED,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -75,7 +76,19 @@ def check_model(model: str | None, settings: RenderSettings) -> str:
     return served_name(model, settings.served_model_names)
 
 
+def _refuse_not_honoured(request: SamplingFields) -> None:
+    """A vLLM field tokenline cannot honour is a 400 naming it, never silently ignored."""
+    for name, unset in NOT_HONOURED.items():
+        value = getattr(request, name, None)
+        if not any(value == u and isinstance(value, bool) == isinstance(u, bool) for u in unset):
+            raise BadRequest(
+                f"`{name}` is not supported by tokenline yet; leave it out or use its default.",
+                param=name,
+            )
+
+
 def _common_checks(request: SamplingFields) -> None:
+    _refuse_not_honoured(request)
     if request.use_beam_search:
         raise BadRequest(
             "Beam search is not supported by the render endpoint", param="use_beam_search"
@@ -101,14 +114,23 @@ def _valid_salt(salt: str) -> bool:
 # --------------------------------------------------------------------------- chat
 
 
-def _content_text(message: ChatMessage) -> str:
-    """vLLM's "string" content format: text parts joined by newlines, None as ""."""
+def _content_text(message: ChatMessage, index: int) -> str:
+    """vLLM's "string" content format: text parts joined by newlines, None as "".
+
+    The served models are text-only: any other part (an image, audio) is a 400, as in vLLM,
+    never silently dropped."""
     content = message.content
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(p.text or "" for p in content if p.type == "text")
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise BadRequest(
+                f"content part type {part.type!r} is not supported: this model takes text only",
+                param=f"messages[{index}].content[{j}]",
+            )
+    return "\n".join(p.text or "" for p in content)
 
 
 def _tool_calls(message: ChatMessage, index: int) -> list[dict[str, Any]] | None:
@@ -140,7 +162,7 @@ def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[
     """Messages as the chat template sees them."""
     out = []
     for index, message in enumerate(messages):
-        text = _content_text(message)
+        text = _content_text(message, index)
         item: dict[str, Any] = {
             "role": message.role,
             "content": [{"type": "text", "text": text}] if content_format == "openai" else text,
