@@ -39,7 +39,6 @@ from tokenline.shared.wire import (
     CompletionRequest,
     GenerateRequest,
     SamplingFields,
-    StreamOptions,
     TokenIds,
 )
 
@@ -290,7 +289,7 @@ def _generate_request(
         sampling_params=sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, tok=tok),
         model=model,
         stream=request.stream,
-        stream_options=(request.stream_options or StreamOptions()) if request.stream else None,
+        stream_options=request.stream_options if request.stream else None,
         return_token_ids=request.return_token_ids,
         cache_salt=request.cache_salt,
         priority=request.priority,
