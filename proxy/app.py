@@ -21,6 +21,7 @@ from tokenline.proxy.pool import Pool, Pools, maintained
 from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.routes import ADMISSION, HOPS, chat_completions, completions
 from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
+from tokenline.proxy.utility import add_utility_routes
 from tokenline.shared.errors import Unauthorized
 from tokenline.shared.http import Handler, error_response, json_response, make_base_app
 from tokenline.shared.metrics import CLIENT_GONE
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 CONFIG = web.AppKey("proxy_config", ProxyConfig)
 METRICS = web.AppKey("proxy_metrics", ProxyMetrics)
 OPEN_PATHS = frozenset({"/health"})
+LOGGED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 
 
 def pools_of(config: ProxyConfig) -> Pools:
@@ -99,7 +101,7 @@ def request_log_middleware() -> object:
 
     @web.middleware
     async def logged(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith("/v1/") or request.method != "POST":
+        if request.method != "POST" or not request.path.startswith(LOGGED_PATHS):
             return await handler(request)
         rid = request.headers.get("X-Request-Id")
         start = time.perf_counter()
@@ -165,6 +167,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    add_utility_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handle)
     return app

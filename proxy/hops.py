@@ -31,6 +31,8 @@ from tokenline.shared.wire import GENERATE_RESPONSE, JSON, GenerateRequest, Gene
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Decode = Callable[[GenerateRequest, dict[str, Any] | None, Sequence[Worker]], Awaitable[T]]
+"""A decode leg: the request, the KV to pull (None: decode-only), replicas to avoid."""
 ABORT_GRACE = 1.0  # seconds pending aborts get at shutdown
 
 
@@ -77,6 +79,7 @@ class Hops:
     derender: DerenderTransport
     timeouts: Timeouts
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    aborting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def _timed(self, hop: str, call: Awaitable[T]) -> T:
         start = time.perf_counter()
@@ -137,22 +140,29 @@ class Hops:
             return Prefilled(None, None)
         return Prefilled(chosen[-1], kv)
 
-    async def generate_whole(self, gen: GenerateRequest, headers: HopHeaders) -> GenerateResponse:
+    async def generate_whole(
+        self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
+    ) -> GenerateResponse:
         pool = self.pools.decode
-        worker = pool.choose()
+        worker = pool.choose(exclude)
         body = JSON.encode(gen)
         hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
         call = post(self.session, pool, worker, GENERATE_PATH, body, hdrs, timeout)
-        with reported(pool, worker):
-            data = await self._timed("decode", call)
+        try:
+            with reported(pool, worker):
+                data = await self._timed("decode", call)
+        except ServiceError as exc:
+            if not _own_fault(exc):
+                self.abort(worker, gen)  # it may still be running (e.g. a timeout)
+            raise
         return GENERATE_RESPONSE.decode(data)
 
     def generate_stream(
-        self, gen: GenerateRequest, headers: HopHeaders
+        self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
     ) -> tuple[Worker, AsyncIterator[bytes]]:
         """A decode replica and the SSE payloads of `gen` streamed on it."""
         pool = self.pools.decode
-        worker = pool.choose()
+        worker = pool.choose(exclude)
         body = JSON.encode(gen)
         source = stream_payloads(
             self.session, pool, worker, body, headers.generate(gen), self.timeouts.generate_stream
@@ -163,28 +173,55 @@ class Hops:
         self,
         gen: GenerateRequest,
         headers: HopHeaders,
-        decode: Callable[[GenerateRequest, dict[str, Any] | None], Awaitable[T]],
+        decode: Decode[T],
         may_retry: Callable[[], bool] = lambda: True,
     ) -> T:
-        """`decode(gen, kv)` behind a prefill leg. If the decode leg fails behind a prefill
-        (e.g. that replica died before the KV was pulled) and `may_retry()` (nothing reached
-        the client), once more from a fresh prefill elsewhere, or decode-only."""
+        """`decode(gen, kv, exclude)` behind a prefill leg, run once more where that is safe.
+
+        Once more only while nothing reached the client (`may_retry()`), only after the first
+        run's abort went out (never two engine runs of one request at once), and only when
+        another run can do better: a decode leg that failed behind a prefill (e.g. that replica
+        died before the KV was pulled) reruns behind a fresh prefill elsewhere (or decode-only);
+        a decode replica that failed by its own fault (unreachable, hung, broken) is replaced
+        by another healthy one.
+        """
         pre = await self.prefill(gen, headers)
         try:
-            return await decode(gen, pre.kv)
+            return await decode(gen, pre.kv, ())
         except ServiceError as exc:
-            if _own_fault(exc) or pre.worker is None or not may_retry():
+            failed = exc.replica if isinstance(exc.replica, Worker) else None
+            if not may_retry() or not self._worth_rerun(exc, pre, failed):
                 raise
+            await self.aborted(gen)
+            exclude = [failed] if failed is not None else []
         self.metrics.retries.inc()
         gen = retry_id(gen)
-        pre = await self.prefill(gen, headers, exclude=[pre.worker])
-        return await decode(gen, pre.kv)
+        pre = await self.prefill(gen, headers, exclude=[pre.worker] if pre.worker else [])
+        return await decode(gen, pre.kv, exclude)
+
+    def _worth_rerun(self, exc: ServiceError, pre: Prefilled, failed: Worker | None) -> bool:
+        if _own_fault(exc):
+            return False
+        if pre.worker is not None:
+            return True
+        if isinstance(exc, UpstreamFailed) or failed is None:
+            return False  # the engine failed the request itself: another run would too
+        return any(w is not failed for w in self.pools.decode.healthy())
 
     def abort(self, worker: Worker, gen: GenerateRequest) -> None:
         """Tell the engine to drop `gen` now (closing its stream also does, later)."""
-        task = asyncio.create_task(self._abort(worker, engine_id(gen)))
+        rid = engine_id(gen)
+        task = asyncio.create_task(self._abort(worker, rid))
         self.background.add(task)
+        self.aborting[rid] = task
         task.add_done_callback(self.background.discard)
+        task.add_done_callback(lambda _: self.aborting.pop(rid, None))
+
+    async def aborted(self, gen: GenerateRequest) -> None:
+        """Wait (a bounded moment) for the abort of `gen`'s engine run to go out."""
+        task = self.aborting.get(engine_id(gen))
+        if task is not None:
+            await asyncio.wait([task], timeout=ABORT_GRACE)
 
     async def _abort(self, worker: Worker, engine_request_id: str) -> None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):

@@ -46,9 +46,11 @@ def reported(pool: Pool, worker: Worker) -> Iterator[None]:
     (unreachable: at once), success closes a half-open one, a request's own failure is neither."""
     try:
         yield
-    except UpstreamRejected:
+    except UpstreamRejected as exc:
+        exc.replica = worker
         raise
     except ServiceError as exc:
+        exc.replica = worker
         pool.failed(worker, exc.message, certain=isinstance(exc, UpstreamUnavailable))
         raise
     else:

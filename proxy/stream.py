@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from tokenline.proxy.flow import (
     whole_derender_body,
 )
 from tokenline.proxy.hops import Hops
+from tokenline.proxy.pool import Worker
 from tokenline.shared.errors import ServiceError, UpstreamError, as_service_error
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import JSON, GenerateRequest, GenerateResponse, GenerateStreamChunk
@@ -50,8 +51,10 @@ async def whole(
     """The non-streaming answer: every prompt generated, then derendered in one call."""
     gens = rendered.gens
 
-    async def decode(gen: GenerateRequest, kv: dict[str, Any] | None) -> GenerateResponse:
-        return await hops.generate_whole(engine_request(gen, kind, False, kv), headers)
+    async def decode(
+        gen: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
+    ) -> GenerateResponse:
+        return await hops.generate_whole(engine_request(gen, kind, False, kv), headers, exclude)
 
     responses = await asyncio.gather(*(hops.behind_prefill(g, headers, decode) for g in gens))
     body = whole_derender_body(kind, client, raw, gens, list(responses))
@@ -103,36 +106,41 @@ class Streaming:
         await self.out.put(_End(error))
 
     async def _prompt(self, p: int, gen: GenerateRequest) -> None:
-        async def decode(g: GenerateRequest, kv: dict[str, Any] | None) -> None:
-            await self._decode(p, g, kv)
+        async def decode(
+            g: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
+        ) -> None:
+            await self._decode(p, g, kv, exclude)
 
         await self.hops.behind_prefill(
             gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)
         )
 
-    async def _decode(self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None) -> None:
+    async def _decode(
+        self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
+    ) -> None:
         flow, hops = self.flow, self.hops
         worker, source = hops.generate_stream(
-            engine_request(gen, flow.kind, True, kv), self.headers
+            engine_request(gen, flow.kind, True, kv), self.headers, exclude
         )
         queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         reader = asyncio.create_task(_read(source, queue))
-        ended = False
+        finished = False
         try:
             async for merged in _batches(queue):
                 for chunk in merged:
                     await self._relay(p, chunk)
                 if flow.prompt_done(p):
                     break
-            ended = True
             if not flow.prompt_done(p):
                 await reader  # surfaces a generate failure
+            finished = True
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, ServiceError):
                 await reader
-            if not ended or flow.stopped_early(p):
-                hops.metrics.aborts.labels("stop" if ended else "cancelled").inc()
+            if not finished or flow.stopped_early(p):
+                # left early, failed (it may still run: hung), or ended by a stop string
+                hops.metrics.aborts.labels("stop" if finished else "cancelled").inc()
                 hops.abort(worker, gen)
 
     async def _relay(self, p: int, chunk: GenerateStreamChunk) -> None:

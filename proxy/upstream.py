@@ -35,14 +35,14 @@ def translated(role: str, worker: Worker) -> Iterator[None]:
     """aiohttp's and asyncio's errors as ours, naming the hop."""
     try:
         yield
+    except TimeoutError as exc:  # before ClientError: aiohttp's socket timeouts are both
+        raise UpstreamTimeout(f"{role} {worker.url} timed out: {exc!r}") from exc
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamUnavailable(f"{role} {worker.url} unreachable: {exc.os_error}") from exc
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         raise UpstreamError(f"{role} {worker.url} broke the connection: {exc!r}") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"{role} {worker.url}: {exc!r}") from exc
-    except TimeoutError as exc:
-        raise UpstreamTimeout(f"{role} {worker.url} timed out") from exc
 
 
 def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> ServiceError:

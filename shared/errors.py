@@ -42,6 +42,8 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.replica: object | None = None
+        """The replica that raised it, where a hop knows (the proxy avoids it on a rerun)."""
 
     def __reduce__(self) -> tuple[type[ServiceError], tuple[str], dict[str, object]]:
         # Picklable with `param`, so errors raised in render's worker processes arrive whole.

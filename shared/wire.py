@@ -636,3 +636,55 @@ COMPLETION_CHUNK = msgspec.json.Decoder(CompletionChunk)
 DERENDER_CHAT = msgspec.json.Decoder(DerenderChatRequest)
 DERENDER_COMPLETION = msgspec.json.Decoder(DerenderCompletionRequest)
 DERENDER_BATCH = msgspec.json.Decoder(DerenderBatch)
+
+
+# --------------------------------------------------------------------------- tokenize / detokenize
+
+
+class TokenizeRequest(Wire, kw_only=True):
+    """Body of `POST /tokenize`: vLLM's two forms (`TokenizeCompletionRequest` with `prompt`,
+    `TokenizeChatRequest` with `messages`) in one struct; `is_chat` picks the form as vLLM's
+    union does. Fields of the other form are ignored, as vLLM ignores unknown keys."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | UnsetType = UNSET
+    """Unset: true for a prompt, false for messages (the template adds special tokens)."""
+    return_token_strs: bool | None = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def is_chat(self) -> bool:
+        """The chat form when `messages` holds a message, or when no prompt string came with
+        it (vLLM's pydantic union prefers the member with more fields set, ties to prompt)."""
+        return bool(self.messages) or (self.messages is not None and self.prompt is None)
+
+
+class TokenizeResponse(Wire, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+    """The tokens' vocabulary strings, when `return_token_strs` asked for them (else null)."""
+
+
+class DetokenizeRequest(Wire, kw_only=True):
+    """Body of `POST /detokenize`. IDs past the model's vocabulary are a 400 naming `tokens`
+    (vLLM drops them silently)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Meta(ge=0, le=2**63 - 1)]]
+
+
+class DetokenizeResponse(Wire, kw_only=True):
+    prompt: str
+
+
+TOKENIZE_REQUEST = msgspec.json.Decoder(TokenizeRequest)
+DETOKENIZE_REQUEST = msgspec.json.Decoder(DetokenizeRequest)

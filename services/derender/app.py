@@ -21,13 +21,14 @@ from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import DerenderRequest, derender
+from tokenline.services.derender.detokenize import detokenize
 from tokenline.shared.errors import as_service_error
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import DERENDER_BATCH
+from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -123,6 +124,13 @@ def _handlers(kind: Kind) -> tuple[Handler, Handler]:
     return single, batch
 
 
+async def detokenize_route(request: web.Request) -> web.Response:
+    """vLLM's `POST /detokenize`: `tokens` to `prompt` text."""
+    req = DETOKENIZE_REQUEST.decode(await read_json_body(request))
+    state = request.app[STATE]
+    return json_response(await state.run(detokenize, req, inline=len(req.tokens) <= INLINE_TOKENS))
+
+
 def make_app(config: DerenderConfig) -> web.Application:
     metrics = ServiceMetrics("derender")
     app = make_base_app([metrics.middleware()])
@@ -135,5 +143,6 @@ def make_app(config: DerenderConfig) -> web.Application:
         single, batch = _handlers(kind)
         app.router.add_post(kind.derender_path, single)
         app.router.add_post(kind.batch_path, batch)
+    app.router.add_post("/detokenize", detokenize_route)
     add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app

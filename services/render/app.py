@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
-from tokenline.services.render import worker
+from tokenline.services.render import tokenize, worker
 from tokenline.services.render.config import RenderConfig
 from tokenline.services.render.render import RenderSettings
 from tokenline.shared.http import make_base_app, read_json_body
@@ -30,6 +30,7 @@ class RenderState:
     chat: RenderFn
     completion: RenderFn
     settings: RenderSettings
+    tokenize: Callable[[bytes], bytes]
 
 
 STATE = web.AppKey("render_state", RenderState)
@@ -58,7 +59,9 @@ async def _start_processes(config: RenderConfig, settings: RenderSettings) -> Re
     await asyncio.gather(
         *(loop.run_in_executor(pool, worker.process_ready) for _ in range(config.workers))
     )
-    return RenderState(pool, worker.process_chat, worker.process_completion, settings)
+    return RenderState(
+        pool, worker.process_chat, worker.process_completion, settings, tokenize.process_tokenize
+    )
 
 
 def _start_threads(
@@ -66,7 +69,8 @@ def _start_threads(
 ) -> RenderState:
     renderer = worker.Renderer(tok, settings)
     pool = ThreadPoolExecutor(config.workers, thread_name_prefix="render")
-    return RenderState(pool, renderer.chat, renderer.completion, settings)
+    tokenize_fn = functools.partial(tokenize.tokenize_body, renderer)
+    return RenderState(pool, renderer.chat, renderer.completion, settings, tokenize_fn)
 
 
 async def executor_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -98,6 +102,14 @@ async def completion_render(request: web.Request) -> web.Response:
     return await _render(request, lambda s: s.completion)
 
 
+async def tokenize_route(request: web.Request) -> web.Response:
+    """vLLM's `POST /tokenize` (prompt or chat form), run where the templates are."""
+    body = await read_json_body(request)
+    state = request.app[STATE]
+    answer = await asyncio.get_running_loop().run_in_executor(state.executor, state.tokenize, body)
+    return web.Response(body=answer, content_type="application/json")
+
+
 def make_app(config: RenderConfig) -> web.Application:
     metrics = ServiceMetrics("render")
     app = make_base_app([metrics.middleware()])
@@ -107,5 +119,6 @@ def make_app(config: RenderConfig) -> web.Application:
     app.cleanup_ctx.append(executor_ctx)
     app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/v1/completions/render", completion_render)
+    app.router.add_post("/tokenize", tokenize_route)
     add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app

@@ -11,8 +11,14 @@ from aiohttp import web
 
 
 class EndlessDecode:
-    def __init__(self, interval: float = 0.01) -> None:
+    def __init__(
+        self, interval: float = 0.01, tokens: int | None = None, hang_after: int | None = None
+    ) -> None:
+        """`tokens`: finish (length) after that many; `hang_after`: go silent after that many
+        chunks, the connection kept open (a hung replica that still passes /health)."""
         self.interval = interval
+        self.tokens = tokens
+        self.hang_after = hang_after
         self.cancelled_at: float | None = None
         self.aborted_at: float | None = None
         self.aborted_ids: list[str] = []
@@ -31,9 +37,18 @@ class EndlessDecode:
         try:
             i = 0
             while True:
-                chunk = {"request_id": rid, "choices": [{"index": 0, "token_ids": [10 + i % 50]}]}
+                if self.hang_after is not None and i >= self.hang_after:
+                    await asyncio.sleep(3600)
+                last = self.tokens is not None and i + 1 >= self.tokens
+                choice = {"index": 0, "token_ids": [10 + i % 50]}
+                if last:
+                    choice["finish_reason"] = "length"
+                chunk = {"request_id": rid, "choices": [choice]}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 i += 1
+                if last:
+                    await resp.write(b"data: [DONE]\n\n")
+                    return resp
                 await asyncio.sleep(self.interval)
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled_at = time.perf_counter()

@@ -1,0 +1,46 @@
+"""The proxy's utility routes: vLLM's `POST /tokenize` and `POST /detokenize`.
+
+Each forwards the client's bytes as they are to a healthy replica of the tier that answers it
+(render owns templates and the tokenizer; derender decodes), through the one retry primitive,
+and returns that replica's answer. The replica validates the body, so a bad one is its 400,
+passed back unchanged and never retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+
+from tokenline.proxy.pool import Pool, Pools, Worker
+from tokenline.proxy.retry import on_replicas
+from tokenline.proxy.routes import HOPS, hop_headers
+from tokenline.proxy.upstream import post
+from tokenline.shared.http import Handler, read_json_body
+
+ROUTES: dict[str, Callable[[Pools], Pool]] = {
+    "/tokenize": lambda pools: pools.render,
+    "/detokenize": lambda pools: pools.derender,
+}
+"""Each utility route and the pool whose replicas serve it (at the same path)."""
+
+
+def _forward(path: str, pool_of: Callable[[Pools], Pool]) -> Handler:
+    async def handle(request: web.Request) -> web.Response:
+        raw = await read_json_body(request)
+        hops = request.app[HOPS]
+        pool, headers = pool_of(hops.pools), hop_headers(request).pure()
+
+        async def once(worker: Worker) -> bytes:
+            return await post(hops.session, pool, worker, path, raw, headers)
+
+        answer = await on_replicas(pool, hops.policy, once)
+        return web.Response(body=answer, content_type="application/json")
+
+    return handle
+
+
+def add_utility_routes(app: web.Application) -> None:
+    """Register `POST /tokenize` (on render) and `POST /detokenize` (on derender)."""
+    for path, pool_of in ROUTES.items():
+        app.router.add_post(path, _forward(path, pool_of))
