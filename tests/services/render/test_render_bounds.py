@@ -4,6 +4,8 @@ bounds. Pure: the render core with the offline models' tokenizers, no server."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import time
 from typing import Any
 
@@ -114,3 +116,33 @@ def test_stop_choice_and_logprob_bounds(tiny_tok: ModelTokenizer) -> None:
     )
     assert chat(tiny_tok, tight, logprobs=True, top_logprobs=4, max_tokens=20).token_ids
     refused(lambda: completion(tiny_tok, tight, prompt="hi", logprobs=4, max_tokens=30), "logprobs")
+
+
+async def test_health_answers_while_a_10_mb_body_is_refused(
+    aiohttp_client: Any, tiny_model: Any
+) -> None:
+    """The refusal happens before tokenizing and off the event loop: /health keeps answering
+    (measured here in the tens of milliseconds; the bound asserted is a generous one)."""
+    from tokenline.services.render.app import make_app
+    from tokenline.services.render.config import RenderConfig
+
+    client = await aiohttp_client(
+        make_app(RenderConfig(model=str(tiny_model), served_model_names=("tiny",)))
+    )
+    body = msgspec.json.encode({"messages": [{"role": "user", "content": "word " * 2_000_000}]})
+    big = asyncio.create_task(
+        client.post(
+            "/v1/chat/completions/render",
+            data=io.BytesIO(body),
+            headers={"Content-Type": "application/json"},
+        )
+    )
+    slowest = 0.0
+    while not big.done():
+        start = time.perf_counter()
+        assert (await client.get("/health")).status == 200
+        slowest = max(slowest, time.perf_counter() - start)
+    resp = await big
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
+    print(f"slowest /health during the refusal: {slowest * 1000:.1f} ms")
+    assert slowest < 1.0
