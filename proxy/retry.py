@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from tokenline.proxy.pool import Pool, Worker
-from tokenline.shared.errors import ServiceError, UpstreamRejected, UpstreamUnavailable
+from tokenline.shared.errors import (
+    ServiceError,
+    UpstreamRejected,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 T = TypeVar("T")
 
@@ -51,7 +56,10 @@ def reported(pool: Pool, worker: Worker) -> Iterator[None]:
         raise
     except ServiceError as exc:
         exc.replica = worker
-        pool.failed(worker, exc.message, certain=isinstance(exc, UpstreamUnavailable))
+        # nothing listening, or a replica that went silent: out at once (half-open probes
+        # bring it back); other faults count towards the breaker's threshold
+        certain = isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
+        pool.failed(worker, exc.message, certain=certain)
         raise
     else:
         pool.succeeded(worker)

@@ -15,8 +15,8 @@ from tokenline.shared.wire import DetokenizeRequest, DetokenizeResponse
 
 
 def detokenize(
-    request: DetokenizeRequest, tok: ModelTokenizer, settings: DerenderSettings
+    asked: DetokenizeRequest, tok: ModelTokenizer, settings: DerenderSettings
 ) -> DetokenizeResponse:
-    model_name(request.model, settings)
-    _check_ids(request.tokens, tok, "tokens")
-    return DetokenizeResponse(prompt=tok.decode(request.tokens, skip_special_tokens=False))
+    model_name(asked.model, settings)
+    _check_ids(asked.tokens, tok, "tokens")
+    return DetokenizeResponse(prompt=tok.decode(asked.tokens, skip_special_tokens=False))

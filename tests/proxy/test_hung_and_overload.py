@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from tests.fakes.decode import EndlessDecode
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.routes import HOPS
 from tokenline.services.derender.app import make_app as make_derender
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.render.app import make_app as make_render
@@ -103,6 +104,8 @@ async def test_a_hung_decode_replica_is_timed_out_aborted_and_replaced(
         assert hung.aborted_ids == hung.started_ids and len(hung.started_ids) == 1
         assert good.started_ids == [hung.started_ids[0] + "-retry"]
         assert hung.aborted_at is not None
+        decode_pool = proxy.server.app[HOPS].pools.decode
+        assert [w.breaker.state for w in decode_pool.workers] == ["open", "closed"]
     finally:
         for server in servers:
             await server.close()
