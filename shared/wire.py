@@ -230,9 +230,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     """OpenAI's legacy default; an explicit null also means 16 (as in vLLM)."""
-    logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    logprobs: Annotated[int, Meta(ge=-1)] | bool | None = None
+    """`true`/`false` are read as 1/0, as vLLM's (lax) request model reads them."""
     suffix: str | None = None
     prompt_embeds: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logprobs, bool):
+            self.logprobs = int(self.logprobs)
 
 
 # --------------------------------------------------------------------------- generate request

@@ -81,6 +81,9 @@ def completion_cases() -> list[dict[str, Any]]:
     cases += [
         {"prompt": [TEXTS[0], TEXTS[5]], "max_tokens": 6, "temperature": 0},
         {"prompt": TEXTS[1], "max_tokens": 20, "temperature": 0, "stop": "@STOP@"},
+        # vLLM reads booleans as 1 and 0
+        {"prompt": TEXTS[2], "max_tokens": 8, "temperature": 0, "logprobs": True},
+        {"prompt": TEXTS[3], "max_tokens": 8, "temperature": 0, "logprobs": False},
     ]
     return cases
 
