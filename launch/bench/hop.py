@@ -1,5 +1,6 @@
 """The derender hop's cost per generated token: the vLLM-compatible HTTP hop against the
-persistent ZMQ channel (msgpack frames), same proxy code, same load, same run.
+persistent ZMQ channel (msgpack frames) and cross-stream batching (one call per derender
+replica per event-loop turn), same proxy code, same load, same run.
 
 A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
 proxy + derender process CPU seconds (from /proc) divided by the tokens delivered.
@@ -70,7 +71,7 @@ def main() -> None:
     try:
         servers.start_all(started, 60)
         proxies = {}
-        for transport in ("http", "zmq"):
+        for transport in ("http", "zmq", "batched"):
             proxy = servers.tokenline(
                 f"hop-proxy-{transport}",
                 "proxy",
@@ -102,7 +103,7 @@ def main() -> None:
                 wall = time.perf_counter() - start
                 used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
                 print(
-                    f"  {transport:>4} logprobs={'on ' if logprobs else 'off'} "
+                    f"  {transport:>7} logprobs={'on ' if logprobs else 'off'} "
                     f"{tokens / wall:8.0f} tokens/s  CPU per token: proxy "
                     f"{used[0] / tokens * 1e6:6.1f} us + derender {used[1] / tokens * 1e6:6.1f} us"
                     f" = {sum(used) / tokens * 1e6:6.1f} us"
