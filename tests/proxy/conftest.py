@@ -4,16 +4,21 @@ import json
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import TestServer
 
 from tests.conftest import Fleet
 from tokenline.launch import servers
 from tokenline.launch.bench.http import get
 from tokenline.launch.servers import Server
+from tokenline.services.derender.app import make_app as make_derender
+from tokenline.services.derender.config import DerenderConfig
+from tokenline.services.render.app import make_app as make_render
+from tokenline.services.render.config import RenderConfig
 
 SERVED = ("--served-model-name", "tiny", "--max-model-len", "2048")
 
@@ -127,3 +132,35 @@ def read_until(sock: socket.socket, needle: bytes, limit: int = 1 << 20) -> byte
             break
         data += part
     return data
+
+
+@dataclass
+class Tiers:
+    """In-process render and derender on the tiny model (the proxy's tests' real hops)."""
+
+    render: str
+    derender: str
+
+
+def url(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+@pytest.fixture
+async def tiers(tiny_model: Path) -> AsyncIterator[Tiers]:
+    names = ("tiny",)
+    render = TestServer(
+        make_render(
+            RenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
+        )
+    )
+    derender = TestServer(
+        make_derender(
+            DerenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
+        )
+    )
+    for server in (render, derender):
+        await server.start_server()
+    yield Tiers(url(render), url(derender))
+    for server in (render, derender):
+        await server.close()

@@ -13,6 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
+from tests.proxy.conftest import Tiers, url
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
 from tokenline.services.derender.app import make_app as make_derender
@@ -35,24 +36,14 @@ def proxy_config(
     )
 
 
-async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiny_model: Path) -> None:
+async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiers: Tiers) -> None:
     decode = EndlessDecode()
-    names = ("tiny",)
-    render = TestServer(
-        make_render(
-            RenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
-        )
-    )
-    derender = TestServer(
-        make_derender(
-            DerenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
-        )
-    )
     engine = TestServer(decode.app)
-    for server in (render, derender, engine):
-        await server.start_server()
+    await engine.start_server()
     try:
-        config = proxy_config(render, derender, engine)
+        config = ProxyConfig(
+            render_urls=(tiers.render,), derender_urls=(tiers.derender,), decode_urls=(url(engine),)
+        )
         client = await aiohttp_client(make_proxy(config))
         resp = await client.post(
             "/v1/chat/completions",
@@ -78,8 +69,7 @@ async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiny_model: 
         assert decode.aborted_at is not None and decode.aborted_at - closed < 0.1
         assert decode.cancelled_at is not None and decode.cancelled_at - closed < 0.1
     finally:
-        for server in (render, derender, engine):
-            await server.close()
+        await engine.close()
 
 
 async def test_failure_after_first_byte_ends_stream_in_band(

@@ -4,55 +4,18 @@ aiohttp render and derender on the tiny model, engine doubles that record what t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
+from tests.proxy.conftest import Tiers, url
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.routes import HOPS
-from tokenline.services.derender.app import make_app as make_derender
-from tokenline.services.derender.config import DerenderConfig
-from tokenline.services.render.app import make_app as make_render
-from tokenline.services.render.config import RenderConfig
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-
-@dataclass
-class Tiers:
-    render: str
-    derender: str
-
-
-def url(server: TestServer) -> str:
-    return str(server.make_url("")).rstrip("/")
-
-
-@pytest.fixture
-async def tiers(tiny_model: Path) -> AsyncIterator[Tiers]:
-    names = ("tiny",)
-    render = TestServer(
-        make_render(
-            RenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
-        )
-    )
-    derender = TestServer(
-        make_derender(
-            DerenderConfig(model=str(tiny_model), served_model_names=names, max_model_len=2048)
-        )
-    )
-    for server in (render, derender):
-        await server.start_server()
-    yield Tiers(url(render), url(derender))
-    for server in (render, derender):
-        await server.close()
 
 
 async def engines(*decodes: EndlessDecode) -> list[TestServer]:
