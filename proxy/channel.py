@@ -70,7 +70,7 @@ class ZmqDerender(HttpDerender):
                 await self._drop(worker)
                 raise
 
-        data = await self._timed(on_replicas(self.pool, self.policy, once))
+        data = await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
         return readable(call.kind.stream_answer_msgpack, data)
 
     async def _connection(self, worker: Worker) -> Connection:

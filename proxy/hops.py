@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,7 +23,7 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
-from tokenline.proxy.upstream import GENERATE_PATH, post, stream_payloads
+from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamFailed, UpstreamRejected
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import GENERATE_RESPONSE, JSON, GenerateRequest, GenerateResponse
@@ -81,21 +80,11 @@ class Hops:
     background: set[asyncio.Task[None]] = field(default_factory=set)
     aborting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
-    async def _timed(self, hop: str, call: Awaitable[T]) -> T:
-        start = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.metrics.hop_latency.labels(hop).observe(time.perf_counter() - start)
-
     async def render(self, kind: Kind, raw: bytes, headers: HopHeaders) -> list[GenerateRequest]:
-        pool = self.pools.render
-
-        async def once(worker: Worker) -> bytes:
-            return await post(self.session, pool, worker, kind.render_path, raw, headers.pure())
-
-        data = await self._timed("render", on_replicas(pool, self.policy, once))
-        return kind.generate_requests(data)
+        call = post_any(
+            self.session, self.pools.render, self.policy, kind.render_path, raw, headers.pure()
+        )
+        return kind.generate_requests(await self.metrics.timed("render", call))
 
     async def prefill(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
@@ -111,10 +100,8 @@ class Hops:
         if not pool.configured:
             return Prefilled(None, None)
         body = JSON.encode(prefill_request(gen))
-        chosen: list[Worker] = []
 
-        async def once(worker: Worker) -> dict[str, Any]:
-            chosen.append(worker)
+        async def once(worker: Worker) -> Prefilled:
             data = await post(
                 self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen)
             )
@@ -124,11 +111,11 @@ class Hops:
                     f"prefill {worker.url} returned no kv_transfer_params "
                     "(is it started with --role prefill?)"
                 )
-            return kv
+            return Prefilled(worker, kv)
 
         every = RetryPolicy(attempts=len(pool.workers), timeout=self.policy.timeout, sleep=False)
         try:
-            kv = await self._timed("prefill", on_replicas(pool, every, once, exclude))
+            return await self.metrics.timed("prefill", on_replicas(pool, every, once, exclude))
         except ServiceError as exc:
             if _own_fault(exc):
                 raise  # the request's own fault: decode-only would refuse it too
@@ -138,7 +125,6 @@ class Hops:
                 gen.request_id,
             )
             return Prefilled(None, None)
-        return Prefilled(chosen[-1], kv)
 
     async def generate_whole(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
@@ -150,7 +136,7 @@ class Hops:
         call = post(self.session, pool, worker, GENERATE_PATH, body, hdrs, timeout)
         try:
             with reported(pool, worker):
-                data = await self._timed("decode", call)
+                data = await self.metrics.timed("decode", call)
         except ServiceError as exc:
             if not _own_fault(exc):
                 self.abort(worker, gen)  # it may still be running (e.g. a timeout)

@@ -3,12 +3,15 @@ prometheus_client directly)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from prometheus_client import Gauge
 
 from tokenline.shared.metrics import LATENCY_BUCKETS, ServiceMetrics
 
+T = TypeVar("T")
 TOKEN_BUCKETS = (
     0.0001,
     0.00025,
@@ -53,6 +56,14 @@ class ProxyMetrics(ServiceMetrics):
         self.retries = self.counter(
             "request_retries", "Whole requests retried after a decode leg failed behind a prefill"
         )
+
+    async def timed(self, hop: str, call: Awaitable[T]) -> T:
+        """`call`, its latency observed under `hop`."""
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.hop_latency.labels(hop).observe(time.perf_counter() - start)
 
     def track_pool(self, role: str, in_flight: Callable[[], int]) -> None:
         self.in_flight.labels(role).set_function(in_flight)

@@ -51,15 +51,13 @@ def reported(pool: Pool, worker: Worker) -> Iterator[None]:
     (unreachable: at once), success closes a half-open one, a request's own failure is neither."""
     try:
         yield
-    except UpstreamRejected as exc:
-        exc.replica = worker
-        raise
     except ServiceError as exc:
         exc.replica = worker
-        # nothing listening, or a replica that went silent: out at once (half-open probes
-        # bring it back); other faults count towards the breaker's threshold
-        certain = isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
-        pool.failed(worker, exc.message, certain=certain)
+        if not isinstance(exc, UpstreamRejected):
+            # nothing listening, or a replica that went silent: out at once (half-open
+            # probes bring it back); other faults count towards the breaker's threshold
+            certain = isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
+            pool.failed(worker, exc.message, certain=certain)
         raise
     else:
         pool.succeeded(worker)

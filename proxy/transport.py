@@ -12,8 +12,6 @@ Whole (non-streaming) answers always go over HTTP. Every transport retries throu
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -22,9 +20,9 @@ import msgspec
 
 from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas
-from tokenline.proxy.upstream import post
+from tokenline.proxy.pool import Pool
+from tokenline.proxy.retry import RetryPolicy
+from tokenline.proxy.upstream import post_any
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
 from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.limits import DERENDER_BATCH_ITEMS
@@ -64,18 +62,9 @@ class HttpDerender:
     policy: RetryPolicy
     metrics: ProxyMetrics
 
-    async def _timed(self, call: Awaitable[T]) -> T:
-        start = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.metrics.hop_latency.labels("derender").observe(time.perf_counter() - start)
-
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        async def once(worker: Worker) -> bytes:
-            return await post(self.session, self.pool, worker, path, body, headers)
-
-        return await self._timed(on_replicas(self.pool, self.policy, once))
+        call = post_any(self.session, self.pool, self.policy, path, body, headers)
+        return await self.metrics.timed("derender", call)
 
     async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:
         return await self.post(kind.derender_path, body, headers)

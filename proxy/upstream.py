@@ -15,6 +15,7 @@ import aiohttp
 import msgspec
 
 from tokenline.proxy.pool import Pool, Worker
+from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -59,12 +60,10 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
         text = body[:500].decode(errors="replace")
         return UpstreamError(f"{role} {worker.url} answered {status}: {text}")
     if status in REPLICA_STATUSES:
-        pass
-    elif status >= 500:
+        return UpstreamError(f"{role} {worker.url} answered {status}: {envelope.error.message}")
+    if status >= 500:
         return UpstreamFailed(status, envelope)
-    else:
-        return UpstreamRejected(status, envelope)
-    return UpstreamError(f"{role} {worker.url} answered {status}: {envelope.error.message}")
+    return UpstreamRejected(status, envelope)
 
 
 async def post(
@@ -86,6 +85,23 @@ async def post(
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, data)
             return data
+
+
+async def post_any(
+    session: aiohttp.ClientSession,
+    pool: Pool,
+    policy: RetryPolicy,
+    path: str,
+    body: bytes,
+    headers: Mapping[str, str],
+) -> bytes:
+    """POST `body` to a healthy replica of a pure hop's `pool`; another one on a replica's
+    failure (`proxy.retry.on_replicas`)."""
+
+    async def once(worker: Worker) -> bytes:
+        return await post(session, pool, worker, path, body, headers)
+
+    return await on_replicas(pool, policy, once)
 
 
 async def stream_payloads(

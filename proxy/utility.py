@@ -12,10 +12,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from tokenline.proxy.pool import Pool, Pools, Worker
-from tokenline.proxy.retry import on_replicas
+from tokenline.proxy.pool import Pool, Pools
 from tokenline.proxy.routes import HOPS, hop_headers
-from tokenline.proxy.upstream import post
+from tokenline.proxy.upstream import post_any
 from tokenline.shared.http import Handler, read_json_body
 
 ROUTES: dict[str, Callable[[Pools], Pool]] = {
@@ -29,12 +28,8 @@ def _forward(path: str, pool_of: Callable[[Pools], Pool]) -> Handler:
     async def handle(request: web.Request) -> web.Response:
         raw = await read_json_body(request)
         hops = request.app[HOPS]
-        pool, headers = pool_of(hops.pools), hop_headers(request).pure()
-
-        async def once(worker: Worker) -> bytes:
-            return await post(hops.session, pool, worker, path, raw, headers)
-
-        answer = await on_replicas(pool, hops.policy, once)
+        headers = hop_headers(request).pure()
+        answer = await post_any(hops.session, pool_of(hops.pools), hops.policy, path, raw, headers)
         return web.Response(body=answer, content_type="application/json")
 
     return handle
