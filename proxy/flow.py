@@ -289,7 +289,6 @@ class StreamFlow:
 
     kind: Kind
     client: ClientRequest
-    raw: bytes
     rendered: Rendered
     progress: dict[tuple[int, int], ChoiceProgress] = field(default_factory=dict)
     model: str = ""

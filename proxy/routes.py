@@ -68,7 +68,7 @@ async def _admitted(
     if not client.stream:
         answer = await whole(hops, kind, client, raw, rendered, headers)
         return web.Response(body=JSON.encode(answer), content_type="application/json")
-    streaming = Streaming(hops, StreamFlow(kind, client, raw, rendered), headers)
+    streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers)
     return await event_stream(request, streaming.chunks())
 
 

@@ -8,14 +8,13 @@ of branching on it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
 from tokenline.shared.wire import (
-    DERENDER_CHAT,
-    DERENDER_COMPLETION,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -55,16 +54,12 @@ class Kind:
     """The derender body's field that carries the client's request."""
     chunk_object: str
     """`object` of a stream chunk of this kind."""
-    client_request: msgspec.json.Decoder[Any]
-    rendered: msgspec.json.Decoder[Any]
-    """render's answer: one generate request (chat) or one per prompt (completions)."""
-    whole: msgspec.json.Decoder[Any]
+    client_type: type[ChatCompletionRequest] | type[CompletionRequest]
+    rendered_type: Any
+    """render's answer: one generate request (chat) or a list, one per prompt (completions)."""
+    whole_type: type[ChatCompletion] | type[Completion]
     derender_request: type[DerenderChatRequest] | type[DerenderCompletionRequest]
-    derender_json: msgspec.json.Decoder[Any]
-    """A derender call's body (vLLM's JSON route); `derender_msgpack` the same over ZMQ."""
-    derender_msgpack: msgspec.msgpack.Decoder[Any]
-    stream_answer_json: msgspec.json.Decoder[Any]
-    stream_answer_msgpack: msgspec.msgpack.Decoder[Any]
+    stream_answer_type: type[DerenderChatStreamResponse] | type[DerenderCompletionStreamResponse]
     one_prompt: bool
     """A request has exactly one prompt (chat), else a list of them (completions): derender's
     whole-answer body names its fields in the singular or the plural."""
@@ -74,6 +69,37 @@ class Kind:
     prompt_stub: dict[str, Any]
     """What stands for the prompt in the client request a stream's derender calls carry (derender
     never reads the prompt; vLLM's request type requires one)."""
+
+    # Decoders, built once per kind from the types above (cached on first use).
+
+    @functools.cached_property
+    def client_request(self) -> msgspec.json.Decoder[Any]:
+        return msgspec.json.Decoder(self.client_type)
+
+    @functools.cached_property
+    def rendered(self) -> msgspec.json.Decoder[Any]:
+        return msgspec.json.Decoder(self.rendered_type)
+
+    @functools.cached_property
+    def whole(self) -> msgspec.json.Decoder[Any]:
+        return msgspec.json.Decoder(self.whole_type)
+
+    @functools.cached_property
+    def derender_json(self) -> msgspec.json.Decoder[Any]:
+        """A derender call's body (vLLM's JSON route); `derender_msgpack` the same over ZMQ."""
+        return msgspec.json.Decoder(self.derender_request)
+
+    @functools.cached_property
+    def derender_msgpack(self) -> msgspec.msgpack.Decoder[Any]:
+        return msgspec.msgpack.Decoder(self.derender_request)
+
+    @functools.cached_property
+    def stream_answer_json(self) -> msgspec.json.Decoder[Any]:
+        return msgspec.json.Decoder(self.stream_answer_type)
+
+    @functools.cached_property
+    def stream_answer_msgpack(self) -> msgspec.msgpack.Decoder[Any]:
+        return msgspec.msgpack.Decoder(self.stream_answer_type)
 
     @property
     def batch_path(self) -> str:
@@ -92,14 +118,11 @@ CHAT = Kind(
     derender_path="/v1/chat/completions/derender",
     request_field="chat_request",
     chunk_object="chat.completion.chunk",
-    client_request=msgspec.json.Decoder(ChatCompletionRequest),
-    rendered=msgspec.json.Decoder(GenerateRequest),
-    whole=msgspec.json.Decoder(ChatCompletion),
+    client_type=ChatCompletionRequest,
+    rendered_type=GenerateRequest,
+    whole_type=ChatCompletion,
     derender_request=DerenderChatRequest,
-    derender_json=DERENDER_CHAT,
-    derender_msgpack=msgspec.msgpack.Decoder(DerenderChatRequest),
-    stream_answer_json=msgspec.json.Decoder(DerenderChatStreamResponse),
-    stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderChatStreamResponse),
+    stream_answer_type=DerenderChatStreamResponse,
     one_prompt=True,
     logprobs_include_sampled=False,
     prompt_stub={"messages": [{"role": "user", "content": ""}]},
@@ -111,14 +134,11 @@ COMPLETION = Kind(
     derender_path="/v1/completions/derender",
     request_field="completion_request",
     chunk_object="text_completion",
-    client_request=msgspec.json.Decoder(CompletionRequest),
-    rendered=msgspec.json.Decoder(list[GenerateRequest]),
-    whole=msgspec.json.Decoder(Completion),
+    client_type=CompletionRequest,
+    rendered_type=list[GenerateRequest],
+    whole_type=Completion,
     derender_request=DerenderCompletionRequest,
-    derender_json=DERENDER_COMPLETION,
-    derender_msgpack=msgspec.msgpack.Decoder(DerenderCompletionRequest),
-    stream_answer_json=msgspec.json.Decoder(DerenderCompletionStreamResponse),
-    stream_answer_msgpack=msgspec.msgpack.Decoder(DerenderCompletionStreamResponse),
+    stream_answer_type=DerenderCompletionStreamResponse,
     one_prompt=False,
     logprobs_include_sampled=True,
     prompt_stub={"prompt": ""},

@@ -174,7 +174,7 @@ def stream_flow(n: int = 2, prompts: int = 2, usage: str = "") -> StreamFlow:
     body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true' + usage.encode()
     client = CHAT_REQUEST.decode(body + b"}")
     gens = [gen(f"req-{p}", n=n) for p in range(prompts)]
-    return StreamFlow(CHAT, client, body, Rendered.of(gens, "nonce"))
+    return StreamFlow(CHAT, client, Rendered.of(gens, "nonce"))
 
 
 def test_choices_are_remapped_across_prompts_and_n() -> None:
@@ -245,7 +245,7 @@ def test_derender_calls_carry_only_what_derender_reads() -> None:
     body = msgspec.json.encode(
         {"messages": history, "stream": True, "stop": ["a"], "logprobs": True, "top_logprobs": 3}
     )
-    flow = StreamFlow(CHAT, CHAT_REQUEST.decode(body), body, Rendered.of([gen()], "n"))
+    flow = StreamFlow(CHAT, CHAT_REQUEST.decode(body), Rendered.of([gen()], "n"))
     call = flow.call(0, chunk(0, [1]))
     assert call is not None
     assert len(call.client_raw) < 1000 < len(body)  # not the whole body with every chunk
@@ -254,8 +254,7 @@ def test_derender_calls_carry_only_what_derender_reads() -> None:
         assert getattr(view, name) == getattr(flow.client, name), name
     assert call.client == view
     completion = COMPLETION_REQUEST.decode(b'{"prompt": "long prompt", "logprobs": 2}')
-    raw = msgspec.json.encode({"prompt": "long prompt", "logprobs": 2})
-    flow = StreamFlow(COMPLETION, completion, raw, Rendered.of([gen()], "n"))
+    flow = StreamFlow(COMPLETION, completion, Rendered.of([gen()], "n"))
     assert flow.view.request.prompt == "" and flow.view.request.logprobs == 2
 
 
