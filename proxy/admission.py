@@ -49,13 +49,21 @@ class Admission:
                 "retry later"
             )
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self.waiting, (priority, next(self.order), future))
+        entry = (priority, next(self.order), future)
+        heapq.heappush(self.waiting, entry)
         try:
             await future  # a finishing request hands its slot over
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 self._release()  # handed a slot just as the client left: pass it on
+            else:
+                self._forget(entry)  # its place goes, so the queue never keeps leavers
             raise
+
+    def _forget(self, entry: tuple[int, int, asyncio.Future[None]]) -> None:
+        with contextlib.suppress(ValueError):  # a release may have popped it already
+            self.waiting.remove(entry)
+            heapq.heapify(self.waiting)
 
     def _release(self) -> None:
         while self.waiting:

@@ -55,6 +55,8 @@ async def test_a_waiter_that_leaves_gives_its_place_back() -> None:
     staying = asyncio.create_task(hold(admission, 1, log, gate))
     await asyncio.sleep(0)
     leaving.cancel()
+    await asyncio.sleep(0)
+    assert len(admission.waiting) == 1  # the leaver's place is gone, not kept as garbage
     gate.set()
     await asyncio.gather(first, staying)
     assert log == [0, 1] and admission.in_flight == 0
