@@ -148,6 +148,22 @@ ERROR_CASES: list[tuple[str, dict[str, Any], int, str | None]] = [
         None,
     ),
     ("/v1/chat/completions/render", {"messages": []}, 400, None),
+    (  # an image for a text-only model: refused, never dropped
+        "/v1/chat/completions/render",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                    ],
+                }
+            ]
+        },
+        400,
+        None,
+    ),
     ("/v1/completions/render", {"prompt": "x", "stop": [""]}, 400, None),
     (
         "/v1/completions/render",
