@@ -1,5 +1,5 @@
-"""The servers tests and benchmarks start: vLLM (tokens-only engine, monolithic oracle, vLLM's
-render server, P/D roles) and tokenline's own services, each a `Process` on a loopback port,
+"""The servers tests and benchmarks start: vLLM (engines with and without a tokenizer, the
+monolithic oracle, vLLM's render server, P/D roles) and tokenline's own services, each a `Process` on a loopback port,
 logging to `build/test-logs/<name>.log` under the working directory.
 
 vLLM's command lines come from `tokenline.services.generate.launcher`, the one place that builds
@@ -70,10 +70,13 @@ def vllm(name: str, config: GenerateConfig) -> Process:
     )
 
 
-def _peer(name: str, mode: Mode, model: Path, served: str, *extra: str) -> Process:
+def _peer(
+    name: str, mode: Mode, model: Path, served: str, *extra: str, tokens_only: bool = False
+) -> Process:
     config = GenerateConfig(
         model=str(model),
         mode=mode,
+        tokens_only=tokens_only,
         port=free_port(),
         served_model_name=served,
         prompt_tokens_details=False,
@@ -83,13 +86,14 @@ def _peer(name: str, mode: Mode, model: Path, served: str, *extra: str) -> Proce
 
 
 def tokens_only(name: str, model: Path, served: str, *extra: str) -> Process:
-    """A tokens-only engine (what tokenline's pipeline generates with)."""
-    return _peer(name, "tokens-only", model, served, *extra)
+    """An engine without a tokenizer (`--tokens-only`), as `tokenline generate --tokens-only`."""
+    return _peer(name, "engine", model, served, *extra, tokens_only=True)
 
 
-def oracle(name: str, model: Path, served: str) -> Process:
-    """Monolithic `vllm serve` with its tokenizer, scale-out routes on: our oracle."""
-    return _peer(name, "scale-out", model, served)
+def oracle(name: str, model: Path, served: str, *extra: str) -> Process:
+    """Monolithic `vllm serve` with its tokenizer and scale-out routes on: our oracle, and the
+    same command line as tokenline's generate tier (which only ever asks it for token IDs)."""
+    return _peer(name, "engine", model, served, *extra)
 
 
 def vllm_render(name: str, model: Path, served: str) -> Process:
@@ -98,7 +102,7 @@ def vllm_render(name: str, model: Path, served: str) -> Process:
 
 
 def generate_role(name: str, model: Path, role: Role, cores: str) -> Process:
-    """A tokens-only vLLM for a P/D role, launched with the settings `tokenline generate` uses."""
+    """A vLLM for a P/D role, launched with the settings `tokenline generate` uses."""
     config = GenerateConfig(
         model=str(model),
         role=role,

@@ -19,7 +19,7 @@ from tokenline.proxy.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, maintained
 from tokenline.proxy.retry import RetryPolicy
-from tokenline.proxy.routes import ADMISSION, HOPS, chat_completions, completions
+from tokenline.proxy.routes import ADMISSION, HOPS, TOKENS_ONLY, chat_completions, completions
 from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.utility import add_utility_routes
 from tokenline.shared.errors import Unauthorized
@@ -163,6 +163,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     )
     app[CONFIG], app[METRICS] = config, metrics
     app[ADMISSION] = Admission(config.max_in_flight, config.max_queued)
+    app[TOKENS_ONLY] = config.generate_tokens_only
     app.cleanup_ctx.append(hops_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

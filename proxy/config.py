@@ -26,6 +26,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Address to listen on."""
     port: Port = 8000
     """Port to listen on."""
+    generate_tokens_only: bool = False
+    """The generate pools run vLLM with `--tokens-only` (no tokenizer): requests that need one
+    (structured outputs, bad_words) are refused with a 400 before any engine work."""
     api_key: str | None = None
     """Clients must send `Authorization: Bearer <key>` (unset or empty: no check)."""
     derender_transport: Literal["http", "zmq", "batched"] = "http"

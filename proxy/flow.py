@@ -52,14 +52,23 @@ PREFILL_PARAMS = {
 def engine_request(
     gen: GenerateRequest, kind: Kind, stream: bool, kv: dict[str, Any] | None
 ) -> GenerateRequest:
-    """The render output as a tokenizer-less engine must see it.
+    """The render output as the engine must see it: token IDs out, never text.
 
-    Stop strings are derender's job (a tokens-only vLLM refuses them). Completions ask the
-    engine for one more logprob than the client: vLLM 0.32 cuts candidates to `logprobs`, and
-    monolithic vLLM shows the sampled token besides the top `logprobs` (derender filters by rank).
+    `detokenize: false` always (an engine with a tokenizer would otherwise decode every token
+    for nothing). Stop strings are derender's job (a tokens-only vLLM refuses them). Completions
+    ask the engine for one more logprob than the client: vLLM 0.32 cuts candidates to
+    `logprobs`, and monolithic vLLM shows the sampled token besides the top `logprobs` (derender
+    filters by rank). Behind a prefill leg (`kv` set) the decode never runs the prompt, so
+    prompt logprobs come from the prefill leg.
     """
     params = gen.sampling_params
-    changes: dict[str, Any] = {"stop": None, "include_stop_str_in_output": False}
+    changes: dict[str, Any] = {
+        "stop": None,
+        "include_stop_str_in_output": False,
+        "detokenize": False,
+    }
+    if kv is not None:
+        changes["prompt_logprobs"] = None
     if kind.logprobs_include_sampled and params.logprobs is not None and params.logprobs >= 0:
         changes["logprobs"] = min(params.logprobs + 1, MAX_LOGPROBS)
     extra = dict(params.extra_args or {})
@@ -83,6 +92,7 @@ def prefill_request(gen: GenerateRequest) -> GenerateRequest:
         n=1,
         logprobs=None,
         stop=None,
+        detokenize=False,
         extra_args=None,
     )
     return msgspec.structs.replace(
@@ -92,6 +102,37 @@ def prefill_request(gen: GenerateRequest) -> GenerateRequest:
         stream_options=None,
         kv_transfer_params=dict(PREFILL_PARAMS),
     )
+
+
+# --------------------------------------------------------------------------- engine capabilities
+
+TOKENIZER_FIELDS = ("response_format", "structured_outputs", "bad_words")
+"""Client fields only an engine with a tokenizer can honour (a grammar needs the vocabulary;
+bad words are tokenized by the engine)."""
+
+
+def needs_tokenizer(client: ClientRequest, gens: list[GenerateRequest]) -> str | None:
+    """The client field that needs the engine's tokenizer, if the rendered request uses one
+    (render may also derive a constraint itself, e.g. from `tool_choice`)."""
+    params = gens[0].sampling_params
+    if params.structured_outputs is None and not params.bad_words:
+        return None
+    for name in TOKENIZER_FIELDS:
+        value = getattr(client, name, None)
+        if value and not (name == "response_format" and value.get("type") == "text"):
+            return name
+    return "tool_choice"
+
+
+def constraint_field(client: ClientRequest) -> str | None:
+    """The field a structured-output constraint came from, to name it when generate refuses
+    the constraint (render cannot compile grammars: that needs the engine's backend)."""
+    rf = client.response_format
+    if rf and rf.get("type") != "text":
+        return "response_format"
+    if client.structured_outputs is not None:
+        return "structured_outputs"
+    return None
 
 
 def engine_id(gen: GenerateRequest) -> str:

@@ -30,8 +30,8 @@ from tokenline.shared.wire import GENERATE_RESPONSE, JSON, GenerateRequest, Gene
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Decode = Callable[[GenerateRequest, dict[str, Any] | None, Sequence[Worker]], Awaitable[T]]
-"""A decode leg: the request, the KV to pull (None: decode-only), replicas to avoid."""
+Decode = Callable[[GenerateRequest, "Prefilled", Sequence[Worker]], Awaitable[T]]
+"""A decode leg: the request, its prefill leg's outcome, replicas to avoid."""
 ABORT_GRACE = 1.0  # seconds pending aborts get at shutdown
 
 
@@ -41,6 +41,8 @@ class Prefilled:
 
     worker: Worker | None
     kv: dict[str, Any] | None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    """Computed by the prefill leg when asked for: a decode behind it never runs the prompt."""
 
 
 @dataclass(frozen=True)
@@ -105,13 +107,13 @@ class Hops:
             data = await post(
                 self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen)
             )
-            kv = GENERATE_RESPONSE.decode(data).kv_transfer_params
-            if kv is None:
+            answer = GENERATE_RESPONSE.decode(data)
+            if answer.kv_transfer_params is None:
                 raise UpstreamError(
                     f"prefill {worker.url} returned no kv_transfer_params "
                     "(is it started with --role prefill?)"
                 )
-            return Prefilled(worker, kv)
+            return Prefilled(worker, answer.kv_transfer_params, answer.prompt_logprobs)
 
         every = RetryPolicy(attempts=len(pool.workers), timeout=self.policy.timeout, sleep=False)
         try:
@@ -162,7 +164,7 @@ class Hops:
         decode: Decode[T],
         may_retry: Callable[[], bool] = lambda: True,
     ) -> T:
-        """`decode(gen, kv, exclude)` behind a prefill leg, run once more where that is safe.
+        """`decode(gen, prefilled, exclude)` behind a prefill leg, run once more where that is safe.
 
         Once more only while nothing reached the client (`may_retry()`), only after the first
         run's abort went out (never two engine runs of one request at once), and only when
@@ -173,7 +175,7 @@ class Hops:
         """
         pre = await self.prefill(gen, headers)
         try:
-            return await decode(gen, pre.kv, ())
+            return await decode(gen, pre, ())
         except ServiceError as exc:
             failed = exc.replica if isinstance(exc.replica, Worker) else None
             if not may_retry() or not self._worth_rerun(exc, pre, failed):
@@ -183,7 +185,7 @@ class Hops:
         self.metrics.retries.inc()
         gen = retry_id(gen)
         pre = await self.prefill(gen, headers, exclude=[pre.worker] if pre.worker else [])
-        return await decode(gen, pre.kv, exclude)
+        return await decode(gen, pre, exclude)
 
     def _worth_rerun(self, exc: ServiceError, pre: Prefilled, failed: Worker | None) -> bool:
         if _own_fault(exc):

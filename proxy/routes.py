@@ -16,15 +16,23 @@ from typing import Any
 from aiohttp import web
 
 from tokenline.proxy.admission import Admission
-from tokenline.proxy.flow import ClientRequest, HopHeaders, Rendered, StreamFlow
+from tokenline.proxy.flow import (
+    ClientRequest,
+    HopHeaders,
+    Rendered,
+    StreamFlow,
+    constraint_field,
+    needs_tokenizer,
+)
 from tokenline.proxy.hops import Hops
 from tokenline.proxy.stream import Streaming, whole
-from tokenline.shared.errors import as_service_error
+from tokenline.shared.errors import BadRequest, UpstreamRejected, as_service_error
 from tokenline.shared.http import read_json_body
 from tokenline.shared.kinds import CHAT, COMPLETION, Kind
 from tokenline.shared.wire import JSON
 
 HOPS = web.AppKey("hops", Hops)
+TOKENS_ONLY = web.AppKey("generate_tokens_only", bool)
 ADMISSION = web.AppKey("admission", Admission)
 SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -64,12 +72,25 @@ async def _admitted(
     request: web.Request, kind: Kind, client: ClientRequest, raw: bytes
 ) -> web.StreamResponse:
     hops, headers = request.app[HOPS], hop_headers(request)
-    rendered = Rendered.of(await hops.render(kind, raw, headers), uuid.uuid4().hex)
-    if not client.stream:
-        answer = await whole(hops, kind, client, raw, rendered, headers)
-        return web.Response(body=JSON.encode(answer), content_type="application/json")
-    streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers)
-    return await event_stream(request, streaming.chunks())
+    gens = await hops.render(kind, raw, headers)
+    if request.app[TOKENS_ONLY] and (name := needs_tokenizer(client, gens)) is not None:
+        raise BadRequest(
+            f"`{name}` needs a generate engine with a tokenizer, and this deployment runs its "
+            "engines with --tokens-only.",
+            param=name,
+        )
+    rendered = Rendered.of(gens, uuid.uuid4().hex)
+    try:
+        if not client.stream:
+            answer = await whole(hops, kind, client, raw, rendered, headers)
+            return web.Response(body=JSON.encode(answer), content_type="application/json")
+        streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers)
+        return await event_stream(request, streaming.chunks())
+    except UpstreamRejected as exc:
+        # generate refused the constraint (a schema, regex or grammar its backend rejects)
+        if exc.param is None and exc.status == 400:
+            exc.param = constraint_field(client)
+        raise
 
 
 async def event_stream(

@@ -29,7 +29,7 @@ from tokenline.proxy.flow import (
     merge_chunks,
     whole_derender_body,
 )
-from tokenline.proxy.hops import Hops
+from tokenline.proxy.hops import Hops, Prefilled
 from tokenline.proxy.pool import Worker
 from tokenline.shared.errors import ServiceError, UpstreamError, as_service_error
 from tokenline.shared.kinds import Kind
@@ -52,9 +52,14 @@ async def whole(
     gens = rendered.gens
 
     async def decode(
-        gen: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
+        gen: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]
     ) -> GenerateResponse:
-        return await hops.generate_whole(engine_request(gen, kind, False, kv), headers, exclude)
+        answer = await hops.generate_whole(
+            engine_request(gen, kind, False, pre.kv), headers, exclude
+        )
+        if pre.prompt_logprobs is None:
+            return answer
+        return msgspec.structs.replace(answer, prompt_logprobs=pre.prompt_logprobs)
 
     responses = await asyncio.gather(*(hops.behind_prefill(g, headers, decode) for g in gens))
     body = whole_derender_body(kind, client, raw, gens, list(responses))
@@ -106,10 +111,8 @@ class Streaming:
         await self.out.put(_End(error))
 
     async def _prompt(self, p: int, gen: GenerateRequest) -> None:
-        async def decode(
-            g: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
-        ) -> None:
-            await self._decode(p, g, kv, exclude)
+        async def decode(g: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]) -> None:
+            await self._decode(p, g, pre.kv, exclude)
 
         await self.hops.behind_prefill(
             gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)

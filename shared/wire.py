@@ -134,15 +134,18 @@ class SamplingFields(Wire, kw_only=True):
     echo: bool = False
     use_beam_search: bool = False
     user: str | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=-1)] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=2**63 - 1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI's `{"type": "text" | "json_object" | "json_schema" | "structural_tag", ...}`;
+    checked and turned into `structured_outputs` by render (`services/render/constraints.py`)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's `StructuredOutputsParams` as a JSON object (checked by render)."""
     # vLLM request fields tokenline does not honour yet (`NOT_HONOURED`): decoded, so never
     # silently dropped, and refused by render with a 400 naming them unless they hold the value
     # that means "not asked for".
-    prompt_logprobs: Any = None
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
-    truncation_side: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
     logprob_token_ids: Any = None
     watermarking: Any = None
     length_penalty: Any = None
@@ -159,12 +162,6 @@ class SamplingFields(Wire, kw_only=True):
 
 
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,),
-    "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
-    "truncation_side": (None,),
-    "response_format": (None,),
-    "structured_outputs": (None,),
     "logprob_token_ids": (None,),
     "watermarking": (None, False),
     "length_penalty": (None, 1.0),
@@ -273,6 +270,8 @@ class SamplingParams(Out, kw_only=True):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's `StructuredOutputsParams` (every public field, as vLLM's render sends it)."""
     extra_args: dict[str, Any] | None = None
     output_kind: int = 0
     skip_clone: bool = False

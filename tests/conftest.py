@@ -57,18 +57,25 @@ def qwen3_tok(qwen3_model: Path) -> ModelTokenizer:
 class Fleet:
     """The vLLM servers of a test session (all real)."""
 
-    generate: Process  # tokens-only engine on tiny: what tokenline's pipeline uses
-    oracle: Process  # monolithic vllm serve on tiny, with tokenizer and scale-out routes
+    oracle: Process  # vllm serve --enable-scale-out on tiny: the oracle, and tokenline's engine
+    bare: Process  # vllm serve --tokens-only on tiny: the generate tier without a tokenizer
     oracle_qwen3: Process
     render: Process  # vllm launch render on tiny
     render_qwen3: Process
-    prefill: Process  # tokens-only P/D pair on tiny, NixlConnector, pinned to cores 0 and 1
-    decode: Process
+    prefill: Process  # P/D pair on tiny as `tokenline generate` runs it, NixlConnector, pinned
+    decode: Process  # to cores 0 and 1
+
+    @property
+    def generate(self) -> Process:
+        """tokenline's generate tier on tiny. It is the oracle's own engine, which tokenline
+        asks for token IDs only (`detokenize: false`), as `tokenline generate` runs it: the
+        same command line, so one process serves both and the fleet stays small."""
+        return self.oracle
 
     def all(self) -> list[Process]:
         return [
-            self.generate,
             self.oracle,
+            self.bare,
             self.oracle_qwen3,
             self.render,
             self.render_qwen3,
@@ -97,8 +104,8 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
         yield reused
         return
     f = Fleet(
-        generate=servers.tokens_only("vllm-generate-tiny", tiny_model, "tiny"),
         oracle=servers.oracle("vllm-oracle-tiny", tiny_model, "tiny"),
+        bare=servers.tokens_only("vllm-tokens-only-tiny", tiny_model, "tiny"),
         oracle_qwen3=servers.oracle("vllm-oracle-qwen3", qwen3_model, "tiny-qwen3"),
         render=servers.vllm_render("vllm-render-tiny", tiny_model, "tiny"),
         render_qwen3=servers.vllm_render("vllm-render-qwen3", qwen3_model, "tiny-qwen3"),

@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
-    generate = servers.tokens_only("bench-generate", Path(model), "tiny")
+    generate = servers.oracle("bench-generate", Path(model), "tiny")
     peer = servers.vllm_render("bench-vllm-derender", Path(model), "tiny")
     ours = servers.tokenline(
         "bench-derender",

@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started.append(engine)
             peers: list[Target] = []
         else:
-            engine = servers.tokens_only("bench-engine", model, "tiny")
+            engine = servers.oracle("bench-engine", model, "tiny")
             mono = servers.oracle("bench-monolithic", model, "tiny")
             servers.start_all([engine, mono], 600)
             started += [engine, mono]

@@ -1,10 +1,16 @@
 """`tokenline generate`'s vLLM: the one place that builds vLLM command lines and environments.
 
-The generate tier is vLLM itself (`vllm serve --tokens-only`): it has no tokenizer and speaks
-`/inference/v1/generate`. `command()` and `environment()` build its command line and
-environment for a role (`both`, `prefill`, `decode`), and, with the same engine flags, those of
-the peers tests and benchmarks compare with: monolithic `vllm serve --enable-scale-out` (the
-oracle) and `vllm launch render`. `tokenline.launch` starts and supervises the process.
+The generate tier is vLLM itself, speaking `/inference/v1/generate`. By default it runs
+`vllm serve --enable-scale-out`: the tokenizer is loaded, but only for what needs it inside the
+engine (the structured-output grammar backend and `bad_words`); every request tokenline sends
+carries `detokenize: false`, so text stays derender's job. `--tokens-only` runs vLLM without a
+tokenizer; the proxy then refuses requests that need one (`--generate-tokens-only`).
+
+`command()` and `environment()` build its command line and environment for a role (`both`,
+`prefill`, `decode`), and, with the same engine flags, those of the peers tests and benchmarks
+compare with: monolithic `vllm serve --enable-scale-out` (the oracle: the same command line as
+the generate tier) and `vllm launch render`. `tokenline.launch` starts and supervises the
+process.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import msgspec
 from tokenline.shared.config import CommandLine, Port, Positive
 
 Role = Literal["both", "prefill", "decode"]
-Mode = Literal["tokens-only", "scale-out", "render"]
+Mode = Literal["engine", "render"]
 SHIM_MODULE = "tokenline.services.generate.nixl_shim"
 
 
@@ -33,10 +39,12 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str
     """Model directory (HF layout) or name."""
-    mode: Mode = "tokens-only"
-    """tokens-only: the generate tier (`tokenline generate` runs only this); scale-out:
-    monolithic `vllm serve` with its tokenizer and scale-out routes (the tests' oracle and the
+    mode: Mode = "engine"
+    """engine: `vllm serve` (the generate tier, and monolithic vLLM: the tests' oracle and the
     benchmark's peer); render: `vllm launch render` (no engine)."""
+    tokens_only: bool = False
+    """Run vLLM without a tokenizer (`--tokens-only`): structured outputs and bad_words are then
+    unavailable. Default: `--enable-scale-out` (tokenizer loaded, text never produced)."""
     role: Role = "both"
     """P/D role: prefill and decode hand the KV cache over NIXL."""
     host: str = "127.0.0.1"
@@ -66,8 +74,8 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Passed to vLLM last (`tokenline generate`: arguments it does not know itself)."""
 
     def __post_init__(self) -> None:
-        if self.role != "both" and self.mode != "tokens-only":
-            raise ValueError(f"role {self.role!r} needs mode 'tokens-only', not {self.mode!r}")
+        if self.role != "both" and self.mode != "engine":
+            raise ValueError(f"role {self.role!r} needs an engine, not {self.mode!r}")
 
 
 def vllm_executable(explicit: str | None = None) -> str:
@@ -116,11 +124,10 @@ def engine_args(config: GenerateConfig) -> list[str]:
 
 def command(config: GenerateConfig) -> list[str]:
     """vLLM's command line for `config` (extra arguments last, so they can override)."""
-    head = {
-        "tokens-only": ["serve", config.model, "--tokens-only"],
-        "scale-out": ["serve", config.model, "--enable-scale-out"],
-        "render": ["launch", "render", config.model],
-    }[config.mode]
+    if config.mode == "render":
+        head = ["launch", "render", config.model]
+    else:
+        head = ["serve", config.model, "--tokens-only" if config.tokens_only else "--enable-scale-out"]
     cmd = [
         vllm_executable(config.vllm_bin),
         *head,
@@ -163,7 +170,7 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
     return env
 
 
-# `tokenline generate` is the generate tier: always tokens-only, with prompt token details.
+# `tokenline generate` is the generate tier: an engine, with prompt token details.
 CLI = CommandLine(GenerateConfig, exclude=("mode", "prompt_tokens_details", "extra_args"))
 
 

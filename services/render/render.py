@@ -22,9 +22,11 @@ from tokenline.services.render.bounds import (
     check_prompt_chars,
     check_stops,
 )
+from tokenline.services.render.constraints import constraint_of
 from tokenline.services.render.sampling import (
     check_token_ids,
     max_tokens_for,
+    prompt_logprobs_of,
     sampling_params,
     stop_list,
 )
@@ -283,10 +285,19 @@ def _generate_request(
     logprobs: int | None,
     tok: ModelTokenizer,
 ) -> GenerateRequest:
+    shown = request.top_logprobs if isinstance(request, ChatCompletionRequest) else logprobs
+    params = sampling_params(
+        request,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs_of(request, shown),
+        constraint=constraint_of(request),
+        tok=tok,
+    )
     return GenerateRequest(
         request_id=request_id,
         token_ids=token_ids,
-        sampling_params=sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, tok=tok),
+        sampling_params=params,
         model=model,
         stream=request.stream,
         stream_options=request.stream_options if request.stream else None,
@@ -312,8 +323,10 @@ def render_chat(
     check_stops(stop_list(request.stop), bounds)
     check_choices(1, request.n, bounds)
     prompt = chat_prompt(request, tok, settings)
-    check_prompt_chars(len(prompt), settings.max_model_len, tok.max_token_chars, "messages")
+    if request.truncate_prompt_tokens is None:
+        check_prompt_chars(len(prompt), settings.max_model_len, tok.max_token_chars, "messages")
     token_ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
+    token_ids = truncated(token_ids, request, settings.max_model_len)
     if not token_ids:
         raise BadRequest("No token_ids rendered", param="messages")
     requested, param = (
@@ -327,6 +340,26 @@ def render_chat(
     check_logprob_entries(logprobs, max_tokens, request.n, bounds, "top_logprobs")
     request_id = "chatcmpl-" + (header_request_id or request.request_id or random_id())
     return _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
+
+
+def truncated(ids: list[int], request: SamplingFields, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep N prompt tokens (-1: as many as leave room for one
+    output token), the last N unless `truncation_side` is "right" (vLLM loads every tokenizer
+    with truncation on the left)."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise BadRequest(
+            f"truncate_prompt_tokens={keep} cannot be greater than max_total_tokens = "
+            f"{max_model_len}. Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if keep < 0:
+        keep = max(0, max_model_len - 1)
+    if keep >= len(ids):
+        return ids
+    return ids[:keep] if request.truncation_side == "right" else ids[len(ids) - keep :]
 
 
 # --------------------------------------------------------------------------- completions
@@ -344,8 +377,10 @@ def prompts_of(
     if all(isinstance(p, str) for p in texts):
         check_choices(len(texts), request.n, settings.bounds)
         for text in texts:
-            check_prompt_chars(len(text), settings.max_model_len, tok.max_token_chars, "prompt")
-        return [tok.encode(p, add_special_tokens=add_special) for p in texts]
+            if request.truncate_prompt_tokens is None:
+                check_prompt_chars(len(text), settings.max_model_len, tok.max_token_chars, "prompt")
+        encoded = [tok.encode(p, add_special_tokens=add_special) for p in texts]
+        return [truncated(ids, request, settings.max_model_len) for ids in encoded]
     try:
         lists = (
             [msgspec.convert(prompt, TokenIds)]
@@ -359,7 +394,7 @@ def prompts_of(
         if not ids:
             raise BadRequest(f"prompt {i} is empty", param="prompt")
         check_token_ids(ids, tok.vocab_size, "prompt")
-    return lists
+    return [truncated(ids, request, settings.max_model_len) for ids in lists]
 
 
 def render_completion(

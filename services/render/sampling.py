@@ -88,12 +88,13 @@ def _check_values(params: SamplingParams) -> None:
             f"got {params.min_tokens}.",
             param="min_tokens",
         )
-    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-        raise BadRequest(
-            f"Requested sample logprobs of {params.logprobs}, which is greater "
-            f"than max allowed: {MAX_LOGPROBS}",
-            param="logprobs",
-        )
+    for name, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+        if asked is not None and asked > MAX_LOGPROBS:
+            raise BadRequest(
+                f"Requested {name} logprobs of {asked}, which is greater "
+                f"than max allowed: {MAX_LOGPROBS}",
+                param="logprobs" if name == "sample" else "prompt_logprobs",
+            )
 
 
 def _chosen(
@@ -107,11 +108,28 @@ def _chosen(
     }
 
 
+def prompt_logprobs_of(
+    request: ChatCompletionRequest | CompletionRequest, logprobs: int | None
+) -> int | None:
+    """vLLM's rule: the request's `prompt_logprobs`, else with `echo` the output's logprobs
+    count; never with a stream (a generate stream does not carry them)."""
+    asked = request.prompt_logprobs
+    if request.stream and asked is not None and (asked > 0 or asked == -1):
+        raise BadRequest(
+            "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+        )
+    if asked is None and request.echo:
+        return logprobs
+    return asked
+
+
 def sampling_params(
     request: ChatCompletionRequest | CompletionRequest,
     *,
     max_tokens: int,
     logprobs: int | None,
+    prompt_logprobs: int | None,
+    constraint: dict[str, Any] | None,
     tok: ModelTokenizer,
 ) -> SamplingParams:
     """The generate-side `SamplingParams` for `request` (validated)."""
@@ -131,11 +149,14 @@ def sampling_params(
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logit_bias=_logit_bias(request.logit_bias, tok.vocab_size),
         allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words or None,
+        structured_outputs=constraint,
         extra_args=request.vllm_xargs or None,
         output_kind=OUTPUT_DELTA if request.stream else OUTPUT_FINAL_ONLY,
         skip_clone=True,

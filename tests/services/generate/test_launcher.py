@@ -27,7 +27,7 @@ ENGINE = ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backe
 
 def test_roles_get_their_connector_settings() -> None:
     both = GenerateConfig(model="m")
-    assert kv_transfer_config(both) is None and "--tokens-only" in command(both)
+    assert kv_transfer_config(both) is None and "--enable-scale-out" in command(both)
     prefill = GenerateConfig(model="m", role="prefill", cpu_cores="0", nixl_port=5601)
     kv = json.loads(kv_transfer_config(prefill) or "{}")
     assert kv["kv_connector"] == "NixlConnector" and kv["kv_role"] == "kv_producer"
@@ -46,9 +46,13 @@ def test_one_builder_for_every_vllm() -> None:
     named = ["--served-model-name", "tiny"]
     generate = command(GenerateConfig(**common))
     details = "--enable-prompt-tokens-details"
-    assert generate == ["vllm", "serve", "m", "--tokens-only", *where, *ENGINE, details, *named]
-    oracle = command(GenerateConfig(mode="scale-out", prompt_tokens_details=False, **common))
+    assert generate == [
+        "vllm", "serve", "m", "--enable-scale-out", *where, *ENGINE, details, *named
+    ]  # fmt: skip
+    oracle = command(GenerateConfig(prompt_tokens_details=False, **common))
     assert oracle == ["vllm", "serve", "m", "--enable-scale-out", *where, *ENGINE, *named]
+    bare = command(GenerateConfig(tokens_only=True, **common))
+    assert bare == ["vllm", "serve", "m", "--tokens-only", *where, *ENGINE, details, *named]
     render = command(GenerateConfig(mode="render", **common))
     assert render == ["vllm", "launch", "render", "m", *where, *named]
     extra = command(GenerateConfig(extra_args=("--seed", "1"), **common))
@@ -57,8 +61,8 @@ def test_one_builder_for_every_vllm() -> None:
     assert environment(GenerateConfig(mode="render", **common), base) == environment(
         GenerateConfig(**common), base
     )
-    with pytest.raises(ValueError, match="tokens-only"):
-        GenerateConfig(model="m", mode="scale-out", role="prefill")
+    with pytest.raises(ValueError, match="needs an engine"):
+        GenerateConfig(model="m", mode="render", role="prefill")
 
 
 def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:

@@ -39,8 +39,11 @@ COMPARED = (
     "include_stop_str_in_output",
     "logit_bias",
     "allowed_token_ids",
+    "prompt_logprobs",
+    "bad_words",
+    "structured_outputs",
 )
-EMPTY_IS_NONE = ("stop", "stop_token_ids", "allowed_token_ids")
+EMPTY_IS_NONE = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
 
 
 def effective(params: dict[str, Any]) -> dict[str, Any]:
@@ -49,6 +52,10 @@ def effective(params: dict[str, Any]) -> dict[str, Any]:
         out[k] = out[k] or None
     if isinstance(out["logit_bias"], dict):
         out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
+    if isinstance(out["structured_outputs"], dict):  # vLLM's render also shows private fields
+        out["structured_outputs"] = {
+            k: v for k, v in out["structured_outputs"].items() if not k.startswith("_")
+        }
     return out
 
 
