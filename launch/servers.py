@@ -1,6 +1,6 @@
 """The servers tests and benchmarks start: vLLM (engines with and without a tokenizer, the
-monolithic oracle, vLLM's render server, P/D roles) and tokenline's own services, each a `Process` on a loopback port,
-logging to `build/test-logs/<name>.log` under the working directory.
+monolithic oracle, vLLM's render server, P/D roles) and tokenline's own services, each a
+`Process` on a loopback port, logging to `build/test-logs/<name>.log` under the working directory.
 
 vLLM's command lines come from `tokenline.services.generate.launcher`, the one place that builds
 them: every vLLM here runs with the same engine flags, so outputs compare bit for bit.

@@ -127,7 +127,8 @@ def command(config: GenerateConfig) -> list[str]:
     if config.mode == "render":
         head = ["launch", "render", config.model]
     else:
-        head = ["serve", config.model, "--tokens-only" if config.tokens_only else "--enable-scale-out"]
+        tokenizer = "--tokens-only" if config.tokens_only else "--enable-scale-out"
+        head = ["serve", config.model, tokenizer]
     cmd = [
         vllm_executable(config.vllm_bin),
         *head,

@@ -206,7 +206,8 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "--max-logprob-entries",
     "derender": "--model --served-model-name --max-model-len --host --port --workers --threads "
     "--zmq-port",
-    "proxy": "--render --derender --prefill --decode --host --port --generate-tokens-only --api-key "
+    "proxy": "--render --derender --prefill --decode --host --port --generate-tokens-only "
+    "--api-key "
     "--derender-transport --health-interval --max-in-flight --max-queued --max-body-bytes "
     "--connect-timeout "
     "--hop-timeout --first-token-timeout --stream-idle-timeout",
