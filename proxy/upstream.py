@@ -113,16 +113,32 @@ async def stream_payloads(
     limits: aiohttp.ClientTimeout,
 ) -> AsyncIterator[bytes]:
     """The SSE `data:` payloads of a streaming generate call. Leaving early closes the
-    connection, which aborts the request in vLLM."""
+    connection, which aborts the request in vLLM.
+
+    vLLM checks some inputs (a structured-output grammar) only once its 200 has gone out: an
+    error event before any output is then that error's own status, as if it had been the
+    answer (a 400 stays the request's fault, never the replica's)."""
     with pool.lease(worker), translated(pool.role, worker):
         async with session.post(
             worker.url + GENERATE_PATH, data=body, headers=headers, timeout=limits
         ) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
+            first = True
             async for line in resp.content:
                 if line.startswith(b"data: "):
                     payload = line[6:].rstrip(b"\r\n")
                     if payload == b"[DONE]":
                         return
+                    if first and payload.startswith(b'{"error"'):
+                        raise rejected_or_failed(pool.role, worker, _code(payload), payload)
+                    first = False
                     yield payload
+
+
+def _code(payload: bytes) -> int:
+    """The status an in-band error event carries (502 if it says none)."""
+    try:
+        return ERROR.decode(payload).error.code
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 502

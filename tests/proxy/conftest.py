@@ -20,7 +20,7 @@ from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.render.app import make_app as make_render
 from tokenline.services.render.config import RenderConfig
 
-SERVED = ("--served-model-name", "tiny", "--max-model-len", "2048")
+MAX_MODEL_LEN = ("--max-model-len", "2048")
 
 
 @dataclass
@@ -41,13 +41,15 @@ def start_pipeline(
     extra: tuple[str, ...] = (),
     degraded_ok: bool = False,
     derender_args: tuple[str, ...] = (),
+    served: str = "tiny",
 ) -> Pipeline:
+    named = ("--served-model-name", served, *MAX_MODEL_LEN)
     render = servers.tokenline(
-        f"{name}-render", "render", "--model", str(model), *SERVED, "--workers", "1"
+        f"{name}-render", "render", "--model", str(model), *named, "--workers", "1"
     )
     ders = [
         servers.tokenline(
-            f"{name}-derender-{i}", "derender", "--model", str(model), *SERVED, *derender_args
+            f"{name}-derender-{i}", "derender", "--model", str(model), *named, *derender_args
         )
         for i in range(derenders)
     ]
@@ -77,6 +79,24 @@ def start_pipeline(
 @pytest.fixture(scope="session")
 def pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
     p = start_pipeline("pipeline", tiny_model, [fleet.generate.url])
+    yield p
+    for s in p.all():
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
+    """tokenline in front of the fleet's real P/D pair (KV over NIXL)."""
+    p = start_pipeline("pd", tiny_model, [fleet.decode.url], extra=("--prefill", fleet.prefill.url))
+    yield p
+    for s in p.all():
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_pipeline(fleet: Fleet, qwen3_model: Path) -> Iterator[Pipeline]:
+    """tokenline on the Qwen3-vocabulary model; its engine is that oracle's own."""
+    p = start_pipeline("qwen3", qwen3_model, [fleet.oracle_qwen3.url], served="tiny-qwen3")
     yield p
     for s in p.all():
         s.stop()

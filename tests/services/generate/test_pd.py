@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from tests.conftest import Fleet
-from tests.proxy.conftest import Pipeline, engine_metric, start_pipeline
+from tests.proxy.conftest import Pipeline, engine_metric, pd_pipeline, start_pipeline
 from tokenline.launch.bench.http import post, post_raw
 from tokenline.launch.process import Process, free_port
 from tokenline.launch.servers import log_file
 from tokenline.proxy.flow import PREFILL_PARAMS
 
+__all__ = ["pd_pipeline"]  # the session's P/D pipeline (tests/proxy/conftest.py)
 SOURCE = "vllm:prompt_tokens_by_source_total"
 TOLERANCE = 0.01  # bf16/fp32 CPU kernels batch differently; measured differences stay < 0.008
 
@@ -41,14 +42,6 @@ def generate(server: Process, ids: list[int], **extra: Any) -> dict[str, Any]:
 
 def logprobs(out: dict[str, Any]) -> list[float]:
     return [e["logprob"] for e in out["choices"][0]["logprobs"]["content"]]
-
-
-@pytest.fixture(scope="module")
-def pd_pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
-    p = start_pipeline("pd", tiny_model, [fleet.decode.url], extra=("--prefill", fleet.prefill.url))
-    yield p
-    for s in p.all():
-        s.stop()
 
 
 def test_prompt_arrives_on_decode_by_transfer(fleet: Fleet, pd_pipeline: Pipeline) -> None:
