@@ -86,6 +86,15 @@ class Worker:
     in_flight: int = 0
     breaker: Breaker = field(default_factory=Breaker)
     last_check: float = field(default=0.0)
+    watching: set[asyncio.Timeout] = field(default_factory=set)
+    """Calls on this replica that give up as soon as it leaves the rotation (`abandon`)."""
+
+    def abandon(self) -> None:
+        """Out of the rotation: calls still waiting on it give up now (their callers may try
+        another replica) instead of waiting out their timeouts on a host that is gone."""
+        loop = asyncio.get_running_loop()
+        for timeout in self.watching:
+            timeout.reschedule(loop.time())
 
     @property
     def healthy(self) -> bool:
@@ -103,7 +112,8 @@ class Worker:
 
 
 def least_in_flight(workers: Sequence[Worker]) -> Worker:
-    """The policy: fewest requests in flight, ties to the first (stable, testable)."""
+    """The policy: fewest requests in flight, ties to the first (`Pool.choose` rotates the
+    order, so short calls that never overlap still spread over every replica)."""
     return min(workers, key=lambda w: w.in_flight)
 
 
@@ -150,6 +160,7 @@ class Pool:
     role: str
     urls: tuple[str, ...]
     workers: list[Worker] = field(default_factory=list)
+    turns: int = 0
 
     def __post_init__(self) -> None:
         self.workers = [Worker(u, u) for u in self.urls]
@@ -173,7 +184,10 @@ class Pool:
         candidates = [w for w in self.healthy() if w not in exclude] or [w for w in self.healthy()]
         if not candidates:
             raise UpstreamUnavailable(f"no healthy {self.role} replica (of {len(self.workers)})")
-        return least_in_flight(candidates)
+        start = self.turns % len(self.workers)
+        self.turns += 1
+        rotated = self.workers[start:] + self.workers[:start]
+        return least_in_flight([w for w in rotated if w in candidates])
 
     @contextlib.contextmanager
     def lease(self, worker: Worker) -> Iterator[Worker]:
@@ -189,6 +203,7 @@ class Pool:
         worker.breaker.fault(certain)
         if worker.breaker.state == "open" and was != "open":
             log.warning("pool.down role=%s worker=%s reason=%s", self.role, worker.url, reason)
+            worker.abandon()
 
     def succeeded(self, worker: Worker) -> None:
         if worker.breaker.state == "half_open":
@@ -226,6 +241,7 @@ class Pool:
             log.info("pool.up role=%s worker=%s state=%s", self.role, worker.url, now)
         elif now != was and now == "open":
             log.warning("pool.down role=%s worker=%s reason=health check", self.role, worker.url)
+            worker.abandon()
 
 
 @dataclass

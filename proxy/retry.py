@@ -63,6 +63,28 @@ def reported(pool: Pool, worker: Worker) -> Iterator[None]:
         pool.succeeded(worker)
 
 
+def _gone(exc: ServiceError) -> bool:
+    """The replica is gone or hung, not slow on this request: worth another one even past the
+    deadline (a call that timed out already spent longer than the deadline)."""
+    return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
+
+
+async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], Awaitable[T]]) -> T:
+    """`call(worker)`, given up with `UpstreamUnavailable` if `worker` leaves the rotation
+    meanwhile (a partitioned host: its health checks fail long before a call's timeout)."""
+    try:
+        async with asyncio.timeout(None) as watch:
+            worker.watching.add(watch)
+            try:
+                return await call(worker)
+            finally:
+                worker.watching.discard(watch)
+    except TimeoutError:
+        if not watch.expired():
+            raise
+        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-call") from None
+
+
 async def on_replicas(
     pool: Pool,
     policy: RetryPolicy,
@@ -87,12 +109,12 @@ async def on_replicas(
         tried.append(worker)
         try:
             with reported(pool, worker):
-                return await call(worker)
+                return await unless_abandoned(pool.role, worker, call)
         except UpstreamRejected:
             raise  # the request's own failure: not retried, the replica stays
         except ServiceError as exc:
             last = exc
-        if time.monotonic() >= deadline or attempt + 1 == policy.attempts:
+        if attempt + 1 == policy.attempts or (time.monotonic() >= deadline and not _gone(last)):
             break
         if policy.sleep:
             await asyncio.sleep(policy.backoff(attempt))

@@ -37,6 +37,13 @@ def test_least_in_flight_and_exclusion() -> None:
         pool.choose()
 
 
+def test_calls_that_never_overlap_still_spread_over_every_replica() -> None:
+    pool = Pool("render", ("a", "b", "c"))
+    assert [pool.choose().url for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    pool.workers[1].in_flight = 1  # busier: skipped while the others are idle
+    assert [pool.choose().url for _ in range(4)] == ["a", "c", "c", "a"]
+
+
 async def test_health_checks_take_out_and_bring_back() -> None:
     up = {"ok": True}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.shared.errors import (
     UpstreamError,
     UpstreamRejected,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from tokenline.shared.wire import ErrorEnvelope, ErrorInfo
@@ -118,3 +120,45 @@ def test_backoff_is_exponential_capped_and_jittered() -> None:
     assert all(0.05 <= w <= 1.5 for w in waits)
     assert 0.05 <= waits[0] <= 0.15 and waits[7] >= 0.5
     assert len(set(waits)) == len(waits)  # jittered
+
+
+async def test_a_call_on_a_replica_that_leaves_the_rotation_is_retried_at_once() -> None:
+    """A partitioned host: its health check fails while a call waits on it; the call gives up
+    then (not at its timeout) and another replica answers."""
+    p = pool("a", "b")
+    started = asyncio.Event()
+
+    async def call(w: Worker) -> str:
+        if w.url == "a":
+            started.set()
+            await asyncio.sleep(3600)  # never answers
+        return w.url
+
+    async def partition() -> None:
+        await started.wait()
+        p.failed(p.workers[0], "health check", certain=True)
+
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    answer, _ = await asyncio.gather(on_replicas(p, NO_SLEEP, call), partition())
+    assert answer == "b" and loop.time() - t0 < 1
+    assert not p.workers[0].watching  # nothing left watching the gone replica
+
+
+async def test_a_timed_out_replica_is_worth_another_try_past_the_deadline() -> None:
+    p = pool("a", "b")
+
+    async def call(w: Worker) -> str:
+        if w.url == "a":
+            await asyncio.sleep(0.05)
+            raise UpstreamTimeout("a timed out")
+        return w.url
+
+    assert await on_replicas(p, RetryPolicy(timeout=0.01, sleep=False), call) == "b"
+
+    async def broken(w: Worker) -> str:
+        await asyncio.sleep(0.05)
+        raise UpstreamError(f"{w.url} broke")  # slow and failing: the deadline stands
+
+    with pytest.raises(UpstreamError, match="b broke"):
+        await on_replicas(p, RetryPolicy(timeout=0.01, sleep=False), broken)

@@ -1,0 +1,198 @@
+"""The multi-host rehearsal: compose.yaml's deployment across network namespaces, with real P/D
+between hosts, DNS scale-up and scale-down, a partitioned host and a slow link on each tier.
+
+Every scenario runs greedy streams through the proxy and reports streams started / completed /
+identical (to the same requests run before any fault) / errored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.hosts.conftest import API_KEY, Rehearsal
+from tests.hosts.network import Host
+from tests.proxy.conftest import engine_metric
+from tokenline.launch.bench.corpus import TEXTS
+from tokenline.launch.process import Process
+
+KV_MOVED = ("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
+BASELINE: dict[int, str] = {}
+
+
+def body(i: int) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+    }
+
+
+@dataclass
+class Report:
+    started: int = 0
+    completed: int = 0
+    identical: int = 0
+    errored: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def show(self, scenario: str) -> str:
+        line = (
+            f"[rehearsal] {scenario}: started {self.started} completed {self.completed} "
+            f"identical {self.identical} errored {self.errored}"
+        )
+        print(line, file=sys.stderr)
+        return line
+
+
+async def stream(session: aiohttp.ClientSession, url: str, i: int) -> str:
+    """One greedy stream's text; an HTTP or in-band error raises."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    text = []
+    async with session.post(url + "/v1/chat/completions", json=body(i), headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+    return "".join(text)
+
+
+async def workload(
+    r: Rehearsal,
+    count: int,
+    fault: Callable[[], Awaitable[None]] | None = None,
+    spacing: float = 0.05,
+) -> Report:
+    """`count` streams started `spacing` s apart, `fault` run once a third have started."""
+    report = Report()
+    timeout = aiohttp.ClientTimeout(total=180)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(i: int) -> None:
+            report.started += 1
+            try:
+                text = await stream(session, r.proxy.url, i)
+            except Exception as exc:  # a failed stream is a data point, not a test error
+                report.errored += 1
+                report.errors.append(repr(exc)[:300])
+                return
+            report.completed += 1
+            report.identical += BASELINE.get(i) == text
+
+        tasks = []
+        for i in range(count):
+            tasks.append(asyncio.create_task(one(i)))
+            if fault is not None and i == count // 3:
+                await asyncio.sleep(0.3)
+                await fault()
+            await asyncio.sleep(spacing)
+        await asyncio.gather(*tasks)
+    return report
+
+
+def work_done(r: Rehearsal, host: Host) -> float:
+    """Requests (health checks aside) the service on `host` has served."""
+    process = next(p for p in r.net.hosts[host.name].processes if p.name == host.name)
+    service = r.service_of(host)
+    if service.startswith("generate"):
+        return engine_metric(process, "vllm:request_success_total")
+    return engine_metric(process, f"tokenline_{service}_requests_total", "/v1/")
+
+
+def served_by(derender: Process) -> float:
+    return engine_metric(derender, "tokenline_derender_requests_total")
+
+
+async def test_baseline_and_pd_moves_kv_between_hosts(rehearsal: Rehearsal) -> None:
+    decodes = [rehearsal.processes[f"generate-decode-{i}"] for i in range(2)]
+    moved = sum(engine_metric(d, *KV_MOVED) for d in decodes)
+    async with aiohttp.ClientSession() as session:
+        for i in range(12):  # one at a time: the reference texts
+            BASELINE[i] = await stream(session, rehearsal.proxy.url, i)
+    report = await workload(rehearsal, 12)
+    report.show("P/D across hosts")
+    assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    assert sum(engine_metric(d, *KV_MOVED) for d in decodes) > moved  # KV pulled from prefill
+    assert all(engine_metric(d, *KV_MOVED) > 0 for d in decodes)  # DNS spread the decodes
+
+
+@pytest.mark.parametrize("service", ["render", "derender", "generate-decode"])
+async def test_a_partitioned_host_loses_no_stream(rehearsal: Rehearsal, service: str) -> None:
+    host = rehearsal.hosts[service][0]
+
+    async def cut() -> None:
+        host.partition()
+
+    try:
+        report = await workload(rehearsal, 12, cut)
+    finally:
+        host.partition(cut=False)
+    report.show(f"partition of {host.name}")
+    if service == "generate-decode":
+        # streams already on the cut engine cannot be finished there; new ones go elsewhere
+        assert report.started == 12 and report.completed >= 8, report.errors
+        assert report.identical == report.completed
+    else:
+        assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    await _until_serving(rehearsal, service, len(rehearsal.hosts[service]))
+
+
+async def _until_serving(r: Rehearsal, service: str, count: int, within: float = 30) -> None:
+    role = {"generate-decode": "decode", "generate-prefill": "prefill"}.get(service, service)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(int(within / 0.5)):
+            async with session.get(r.proxy.url + "/health", headers=headers) as resp:
+                pools = (await resp.json())["pools"]
+            if pools[role]["healthy"] == count and pools[role]["replicas"] == count:
+                return
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{service}: not {count} serving replicas after {within} s: {pools}")
+
+
+async def test_dns_scale_up_then_down(rehearsal: Rehearsal) -> None:
+    newcomer = rehearsal.start("derender", 2).wait_healthy(60)
+    await _until_serving(rehearsal, "derender", 3, within=40)  # re-resolved, then checked
+    before = served_by(newcomer)
+    report = await workload(rehearsal, 12)
+    report.show("after scale-up to 3 derenders")
+    assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    assert served_by(newcomer) > before  # the new replica takes traffic
+
+    async def scale_down() -> None:
+        rehearsal.retire("derender", 2)
+
+    report = await workload(rehearsal, 12, scale_down)
+    report.show("during scale-down to 2 derenders")
+    assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    await _until_serving(rehearsal, "derender", 2, within=40)
+
+
+@pytest.mark.parametrize("service", ["render", "derender", "generate-decode"])
+async def test_a_slow_link_on_each_tier_loses_nothing(rehearsal: Rehearsal, service: str) -> None:
+    """One replica behind a relay adding 40 ms each way: answers unchanged, nothing lost."""
+    target = rehearsal.hosts[service][0]
+    relay = await asyncio.to_thread(rehearsal.slow_link, target, 0.04)
+    before = work_done(rehearsal, target)
+    try:
+        report = await workload(rehearsal, 12)
+    finally:
+        await asyncio.to_thread(rehearsal.fast_link, target, relay)
+    report.show(f"slow link to {target.name}")
+    assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    # only the relay reaches it now (its own address is out of DNS): traffic took the slow link
+    assert work_done(rehearsal, target) > before
