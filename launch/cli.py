@@ -36,12 +36,15 @@ def _derender(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokenline.proxy.app import make_app
+    import asyncio
+    import logging
+
+    from tokenline.proxy.app import serve
     from tokenline.proxy.config import from_args
-    from tokenline.shared.http import run
 
     config = from_args(args)
-    run(make_app(config), config.host, config.port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(config))  # its own signal handling: SIGTERM drains (proxy/app.py)
     return 0
 
 

@@ -1,16 +1,27 @@
 """The proxy: `make_app(config)` wires the client session, the pools and their upkeep, auth,
-admission control, metrics and routes."""
+admission control, metrics and routes; `serve(config)` runs it until SIGTERM, then drains.
+
+Graceful shutdown (`serve`): the first SIGTERM or SIGINT stops admitting (new requests get 503
+with Retry-After and `/health` says "draining", so load balancers stop sending) while requests
+in flight finish, for up to `drain_timeout` seconds (a second signal ends the wait); then the
+rest are cancelled, which closes their generate streams and aborts them in the engine.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.client_middlewares import ClientHandlerType, ClientMiddlewareType
+from yarl import URL
 
 from tokenline.proxy.admission import Admission
 from tokenline.proxy.channel import ZmqDerender
@@ -22,7 +33,7 @@ from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.routes import ADMISSION, HOPS, TOKENS_ONLY, chat_completions, completions
 from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.utility import add_utility_routes
-from tokenline.shared.errors import Unauthorized
+from tokenline.shared.errors import ServiceError, Unauthorized
 from tokenline.shared.http import Handler, error_response, json_response, make_base_app
 from tokenline.shared.metrics import CLIENT_GONE
 
@@ -31,6 +42,71 @@ CONFIG = web.AppKey("proxy_config", ProxyConfig)
 METRICS = web.AppKey("proxy_metrics", ProxyMetrics)
 OPEN_PATHS = frozenset({"/health"})
 LOGGED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+ALWAYS_SERVED = frozenset({"/health", "/metrics"})
+"""Answered while draining too: load balancers and scrapers watch the drain through them."""
+CUT_GRACE = 2.0  # seconds cut requests get to close their streams and send their aborts
+
+
+class ShuttingDown(ServiceError):
+    """503 for a request that arrives while the proxy drains: another replica can serve it."""
+
+    status, kind = 503, "ServiceUnavailableError"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
+@dataclass
+class Drain:
+    """Graceful shutdown's state: the requests in flight (their handlers' tasks), and whether
+    new ones are refused."""
+
+    handlers: set[asyncio.Task[object]] = field(default_factory=set)
+    draining: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    cut_short: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to stop waiting for the requests in flight (a second signal)."""
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.handlers)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The current request, in flight until the block ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.handlers.discard(task)
+            if not self.handlers:
+                self.idle.set()
+
+    async def settled(self) -> None:
+        """Until no request is in flight, or the wait is cut short."""
+        if not self.handlers:
+            return
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.idle, self.cut_short)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def cut(self) -> None:
+        """Cancel every request still in flight, as a client leaving would (which closes its
+        generate streams and aborts them), and give them `CUT_GRACE` s to clean up."""
+        handlers = list(self.handlers)
+        for task in handlers:
+            task.cancel()
+        if handlers:
+            await asyncio.wait(handlers, timeout=CUT_GRACE)
+
+
+DRAIN = web.AppKey("drain", Drain)
 
 
 def pools_of(config: ProxyConfig) -> Pools:
@@ -57,12 +133,34 @@ def derender_transport(
     return kinds[config.derender_transport](session, pool, policy, metrics)
 
 
+def generate_key(pools: Sequence[Pool], key: str | None) -> list[ClientMiddlewareType]:
+    """The client middleware that sends `Authorization: Bearer <key>` with every call to a
+    replica of `pools` (generate's, health checks and aborts included), and only to them:
+    render and derender never see the key. None without a key."""
+    if not key:
+        return []
+    bearer = f"Bearer {key}"
+
+    async def authorized(
+        request: aiohttp.ClientRequest, handler: ClientHandlerType
+    ) -> aiohttp.ClientResponse:
+        origin = request.url.origin()
+        if any(URL(w.url).origin() == origin for pool in pools for w in pool.workers):
+            request.headers[hdrs.AUTHORIZATION] = bearer
+        return await handler(request)
+
+    return [authorized]
+
+
 async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     timeouts = Timeouts.of(config)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeouts.pure) as session:
-        pools = pools_of(config)
+    pools = pools_of(config)
+    keyed = generate_key([pools.prefill, pools.decode], config.generate_api_key)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeouts.pure, middlewares=keyed
+    ) as session:
         for pool in pools.all():
             await pool.resolve()
             metrics.track_pool(pool.role, pool.in_flight)
@@ -93,6 +191,23 @@ def auth_middleware(api_key: str | None) -> object:
         return await handler(request)
 
     return check
+
+
+def drain_middleware(drain: Drain) -> object:
+    """Counts the requests in flight; refuses new ones (503) once draining."""
+
+    @web.middleware
+    async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in ALWAYS_SERVED:
+            return await handler(request)
+        if drain.draining:
+            response = error_response(ShuttingDown("the proxy is shutting down; retry"))
+            response.force_close()  # a load balancer's next try opens a fresh connection
+            return response
+        with drain.held():
+            return await handler(request)
+
+    return admit
 
 
 def request_log_middleware() -> object:
@@ -130,6 +245,7 @@ def request_log_middleware() -> object:
 
 async def health(request: web.Request) -> web.Response:
     pools = request.app[HOPS].pools
+    drain = request.app[DRAIN]
     report = {
         p.role: {
             "configured": p.configured,
@@ -141,9 +257,9 @@ async def health(request: web.Request) -> web.Response:
     }
     ready = all(p.serving() for p in (pools.render, pools.derender, pools.decode))
     ready = ready and (not pools.prefill.configured or bool(pools.prefill.serving()))
-    return json_response(
-        {"status": "ok" if ready else "degraded", "pools": report}, status=200 if ready else 503
-    )
+    status = "draining" if drain.draining else "ok" if ready else "degraded"
+    body = {"status": status, "pools": report, "in_flight": drain.in_flight}
+    return json_response(body, status=200 if status == "ok" else 503)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -156,12 +272,10 @@ async def models(request: web.Request) -> web.Response:
 
 
 def make_app(config: ProxyConfig) -> web.Application:
-    metrics = ProxyMetrics()
-    app = make_base_app(
-        [metrics.middleware(), auth_middleware(config.api_key), request_log_middleware()],
-        max_body=config.max_body_bytes,
-    )
-    app[CONFIG], app[METRICS] = config, metrics
+    metrics, drain = ProxyMetrics(), Drain()
+    outer = [metrics.middleware(), drain_middleware(drain), auth_middleware(config.api_key)]
+    app = make_base_app([*outer, request_log_middleware()], max_body=config.max_body_bytes)
+    app[CONFIG], app[METRICS], app[DRAIN] = config, metrics, drain
     app[ADMISSION] = Admission(config.max_in_flight, config.max_queued)
     app[TOKENS_ONLY] = config.generate_tokens_only
     app.cleanup_ctx.append(hops_ctx)
@@ -172,3 +286,46 @@ def make_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handle)
     return app
+
+
+async def serve(config: ProxyConfig) -> None:
+    """Serve the proxy until SIGTERM or SIGINT, then drain (see the module's docstring)."""
+    app = make_app(config)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client that leaves cancels its handler: the abort path
+        access_log=None,
+        shutdown_timeout=CUT_GRACE,
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info("proxy.listening host=%s port=%s", config.host, config.port)
+        await _signalled(app[DRAIN])
+        drain = app[DRAIN]
+        drain.draining = True
+        log.info("proxy.draining in_flight=%d timeout_s=%s", drain.in_flight, config.drain_timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(config.drain_timeout):
+                await drain.settled()
+        if drain.in_flight:
+            log.warning("proxy.drain_cut in_flight=%d: cancelled and aborted", drain.in_flight)
+            await drain.cut()
+    finally:
+        await runner.cleanup()  # closes the pools' session once aborts have gone out
+    log.info("proxy.stopped")
+
+
+async def _signalled(drain: Drain) -> None:
+    """Until the first SIGTERM or SIGINT; a later one cuts the drain short."""
+    loop, first = asyncio.get_running_loop(), asyncio.Event()
+
+    def on_signal() -> None:
+        if first.is_set():
+            drain.cut_short.set()
+        first.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await first.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from argparse import SUPPRESS
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
@@ -30,7 +31,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The generate pools run vLLM with `--tokens-only` (no tokenizer): requests that need one
     (structured outputs, bad_words) are refused with a 400 before any engine work."""
     api_key: str | None = None
-    """Clients must send `Authorization: Bearer <key>` (unset or empty: no check)."""
+    """Clients must send `Authorization: Bearer <key>`. From a file or the environment, never
+    the command line (where `ps` shows it); without one the proxy refuses to start unless
+    `open`."""
+    open: bool = False
+    """Serve without an API key, on purpose (anyone who reaches the port may use it)."""
+    generate_api_key: str | None = None
+    """Sent as `Authorization: Bearer <key>` on every call to a generate replica (vLLM's
+    `--api-key` / VLLM_API_KEY); render and derender never see it."""
     derender_transport: Literal["http", "zmq", "batched"] = "http"
     """How stream chunks reach derender: http (vLLM's routes, one call per chunk), zmq (the
     address derender advertises at /v1/zmq) or batched (every chunk pending in one event-loop
@@ -54,10 +62,22 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds generate may take to start answering (a whole answer: to finish it)."""
     stream_idle_timeout: Seconds = 120.0
     """Seconds a generate stream may stay silent between chunks before it counts as hung."""
+    drain_timeout: Seconds = 30.0
+    """Seconds requests in flight get to finish after SIGTERM (new ones get 503 meanwhile);
+    then the rest are cut and aborted upstream."""
 
 
 def _url(text: str) -> str:
     return text.rstrip("/")
+
+
+def read_key(path: str) -> str:
+    """A key from a file (a mounted Secret), without the trailing newline editors add."""
+    with open(path, encoding="utf-8") as f:
+        key = f.read().strip()
+    if not key:
+        raise ValueError(f"no key in {path!r}")
+    return key
 
 
 def _replicas(role: str) -> Option:
@@ -71,10 +91,25 @@ def _replicas(role: str) -> Option:
     )
 
 
+def _key_file(field: str, whose: str) -> Option:
+    flag = field.replace("_", "-")
+    return Option(
+        flag=f"--{flag}-file",
+        env=f"TOKENLINE_{field.upper()}_FILE",
+        help=f"a file holding {whose}; TOKENLINE_{field.upper()} may hold the key itself",
+        parse=read_key,
+    )
+
+
 CLI = CommandLine(
     ProxyConfig,
     {f"{role}_urls": _replicas(role) for role in ("render", "derender", "prefill", "decode")}
-    | {"port": Option(env="TOKENLINE_PORT"), "api_key": Option(env="TOKENLINE_API_KEY")},
+    | {
+        "port": Option(env="TOKENLINE_PORT"),
+        "open": Option(env="TOKENLINE_OPEN"),
+        "api_key": _key_file("api_key", "the key clients must send"),
+        "generate_api_key": _key_file("generate_api_key", "the key generate replicas require"),
+    },
     # Tuning kept off the command line until someone needs it: each would be one more flag.
     exclude={
         "resolve_interval",
@@ -83,13 +118,53 @@ CLI = CommandLine(
     },
 )
 
-ENV = CLI.env_vars
+KEY_VARS = {"TOKENLINE_API_KEY": "api_key", "TOKENLINE_GENERATE_API_KEY": "generate_api_key"}
+"""Keys given as they are, in the environment (a key never goes on the command line)."""
+ENV = CLI.env_vars | KEY_VARS
 """Environment variable -> the field it sets (compose.yaml and the k8s manifest use these)."""
+_KEYS_FROM_ENV = "keys_from_env"  # the namespace attribute add_arguments leaves them in
+CLOSED = (
+    "the proxy runs closed and has no API key: give it one in a file (--api-key-file or "
+    "TOKENLINE_API_KEY_FILE, e.g. a mounted Secret) or in TOKENLINE_API_KEY, or serve "
+    "without one on purpose with --open (TOKENLINE_OPEN=1)"
+)
+
+
+class _NoKeyOnTheCommandLine(argparse.Action):
+    """`--api-key` used to take the key itself: refused by name (argparse would otherwise
+    read it as an abbreviation of --api-key-file), without echoing the value."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.error(
+            "--api-key is gone: a key on the command line shows in `ps`. Put it in a file "
+            "(--api-key-file, TOKENLINE_API_KEY_FILE) or in TOKENLINE_API_KEY"
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] = os.environ) -> None:
     CLI.add_arguments(parser, env)
+    parser.add_argument(
+        "--api-key",
+        nargs="?",
+        action=_NoKeyOnTheCommandLine,
+        dest="refused_api_key",
+        default=SUPPRESS,
+        help=SUPPRESS,
+    )
+    keys = {field: env[var] for var, field in KEY_VARS.items() if env.get(var, "").strip()}
+    parser.set_defaults(**{_KEYS_FROM_ENV: keys})
 
 
 def from_args(args: argparse.Namespace) -> ProxyConfig:
-    return CLI.build(args)
+    """The config, closed unless told otherwise: SystemExit without a key and without `open`."""
+    keys: dict[str, str] = getattr(args, _KEYS_FROM_ENV, {})
+    for field in keys:
+        if hasattr(args, field):
+            var = next(v for v, f in KEY_VARS.items() if f == field)
+            raise SystemExit(f"{var} and {CLI.flags[field]} both give a key: give one")
+    config = CLI.build(args, **{field: key.strip() for field, key in keys.items()})
+    if config.api_key is None and not config.open:
+        raise SystemExit(CLOSED)
+    if config.api_key is not None and config.open:
+        raise SystemExit("--open (TOKENLINE_OPEN) and an API key contradict each other")
+    return config

@@ -75,6 +75,7 @@ def main() -> None:
             proxy = servers.tokenline(
                 f"hop-proxy-{transport}",
                 "proxy",
+                "--open",
                 "--render",
                 render.url,
                 "--derender",

@@ -270,6 +270,7 @@ def _tokenline(model: Path, decode_url: str) -> list[servers.Server]:
     proxy = servers.tokenline(
         "bench-proxy",
         "proxy",
+        "--open",
         "--render",
         render.url,
         "--derender",

@@ -42,7 +42,11 @@ def start_pipeline(
     degraded_ok: bool = False,
     derender_args: tuple[str, ...] = (),
     served: str = "tiny",
+    api_key: str | None = None,
 ) -> Pipeline:
+    """render, derender(s) and a proxy in front of `decode_urls`; the proxy runs open unless
+    `api_key` (or `extra` in the old spelling, `--api-key KEY`) gives it a key."""
+    extra, api_key = _key_out_of(extra, api_key)
     named = ("--served-model-name", served, *MAX_MODEL_LEN)
     render = servers.tokenline(
         f"{name}-render", "render", "--model", str(model), *named, "--workers", "1"
@@ -68,12 +72,30 @@ def start_pipeline(
         *decode_urls,
         "--health-interval",
         "0.5",
+        *(("--open",) if api_key is None else ("--api-key-file", str(_key_file(name, api_key)))),
         *extra,
     )
     if degraded_ok:
         proxy.ready = (200, 503)
     proxy.start().wait(30)
     return Pipeline(proxy, render, ders)
+
+
+def _key_out_of(extra: tuple[str, ...], api_key: str | None) -> tuple[tuple[str, ...], str | None]:
+    """`--api-key KEY` taken out of `extra`: the proxy reads keys from files or the
+    environment only, never its command line."""
+    if "--api-key" not in extra:
+        return extra, api_key
+    at = extra.index("--api-key")
+    return extra[:at] + extra[at + 2 :], extra[at + 1]
+
+
+def _key_file(name: str, key: str) -> Path:
+    path = servers.log_file(f"{name}-api-key")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(key + "\n")
+    return path
 
 
 @pytest.fixture(scope="session")

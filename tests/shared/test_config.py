@@ -192,11 +192,12 @@ SERVICES = {
     "proxy": Service(
         proxy,
         proxy.ProxyConfig,
-        ["--render", "http://r", "--derender", "http://d", "--decode", "http://g"],
+        ["--render", "http://r", "--derender", "http://d", "--decode", "http://g", "--open"],
         {
             "render_urls": ("http://r",),
             "derender_urls": ("http://d",),
             "decode_urls": ("http://g",),
+            "open": True,
         },
     ),
 }
@@ -207,10 +208,10 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "derender": "--model --served-model-name --max-model-len --host --port --workers --threads "
     "--zmq-port",
     "proxy": "--render --derender --prefill --decode --host --port --generate-tokens-only "
-    "--api-key "
+    "--api-key-file --open --generate-api-key-file "
     "--derender-transport --health-interval --max-in-flight --max-queued --max-body-bytes "
     "--connect-timeout "
-    "--hop-timeout --first-token-timeout --stream-idle-timeout",
+    "--hop-timeout --first-token-timeout --stream-idle-timeout --drain-timeout",
 }
 
 
@@ -236,7 +237,8 @@ def test_service_fields_are_all_exposed_or_excluded(name: str) -> None:
     assert set(cli.flags) | cli.excluded == {f.name for f in msgspec.structs.fields(cli.cls)}
     assert not set(cli.flags) & cli.excluded
     options = {s for a in service_parser(name)._actions for s in a.option_strings}
-    assert options - {"-h", "--help"} == set(FLAGS[name].split())
+    refused = {"--api-key"} if name == "proxy" else set()  # kept only to refuse a key in argv
+    assert options - {"-h", "--help"} - refused == set(FLAGS[name].split())
 
 
 @pytest.mark.parametrize(
@@ -282,14 +284,16 @@ PROXY_ENV = {
     "TOKENLINE_DECODE_URLS": "http://g",
     "TOKENLINE_PORT": "9000",
     "TOKENLINE_API_KEY": "k",
+    "TOKENLINE_GENERATE_API_KEY": "g",
 }
+KEY_FILE_VARS = {"TOKENLINE_API_KEY_FILE", "TOKENLINE_GENERATE_API_KEY_FILE", "TOKENLINE_OPEN"}
 
 
 def test_proxy_environment() -> None:
-    assert set(proxy.ENV) == set(PROXY_ENV)
+    assert set(proxy.ENV) == set(PROXY_ENV) | KEY_FILE_VARS
     config = proxy.from_args(service_parser("proxy", PROXY_ENV).parse_args([]))
     assert config.render_urls == ("http://r1", "http://r2") and config.prefill_urls == ()
-    assert (config.port, config.api_key) == (9000, "k")
+    assert (config.port, config.api_key, config.generate_api_key) == (9000, "k", "g")
     argv = ["--render", "http://cli,http://cli2/", "--port", "1"]
     config = proxy.from_args(service_parser("proxy", PROXY_ENV).parse_args(argv))
     assert config.render_urls == ("http://cli", "http://cli2") and config.port == 1
@@ -310,3 +314,56 @@ def test_a_bad_proxy_variable_does_not_break_other_subcommands(
     args = tokenline_parser().parse_args(["proxy", *SERVICES["proxy"].argv])
     with pytest.raises(SystemExit, match="TOKENLINE_PORT: invalid value 'eighty'"):
         proxy.from_args(args)
+
+
+# The proxy is closed by default; keys come from files or the environment, never argv.
+
+POOLS = SERVICES["proxy"].argv[:-1]  # the required flags, without --open
+
+
+def proxy_config(argv: list[str], env: Mapping[str, str] | None = None) -> proxy.ProxyConfig:
+    return proxy.from_args(service_parser("proxy", env or {}).parse_args([*POOLS, *argv]))
+
+
+def test_proxy_refuses_to_start_without_a_key_unless_open() -> None:
+    with pytest.raises(SystemExit, match=r"runs closed and has no API key.*--open"):
+        proxy_config([])
+    with pytest.raises(SystemExit, match="runs closed"):
+        proxy_config([], {"TOKENLINE_OPEN": "0", "TOKENLINE_API_KEY": " "})
+    assert proxy_config([], {"TOKENLINE_OPEN": "1"}).api_key is None
+    assert proxy_config(["--open"]).open
+
+
+def test_proxy_reads_keys_from_files_or_the_environment(tmp_path: Path) -> None:
+    key, generate = tmp_path / "key", tmp_path / "generate"
+    key.write_text("s3cret\n")
+    generate.write_text("g3n")
+    argv = ["--api-key-file", str(key), "--generate-api-key-file", str(generate)]
+    config = proxy_config(argv)
+    assert (config.api_key, config.generate_api_key, config.open) == ("s3cret", "g3n", False)
+    env = {"TOKENLINE_API_KEY_FILE": str(key), "TOKENLINE_GENERATE_API_KEY": "g"}
+    assert (proxy_config([], env).api_key, proxy_config([], env).generate_api_key) == (
+        "s3cret",
+        "g",
+    )
+    assert proxy_config([], {"TOKENLINE_API_KEY": "e"}).api_key == "e"
+
+
+def test_proxy_key_mistakes_are_refused(tmp_path: Path, capsys: Any) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    refused = usage_error(service_parser("proxy"), [*POOLS, "--api-key", "s3cret"], capsys)
+    assert "--api-key is gone" in refused and "s3cret" not in refused
+    empty_file = ["--api-key-file", str(empty)]
+    assert "no key in" in usage_error(service_parser("proxy"), [*POOLS, *empty_file], capsys)
+    missing = ["--api-key-file", str(tmp_path / "missing")]
+    assert "No such file" in usage_error(service_parser("proxy"), [*POOLS, *missing], capsys)
+    key = tmp_path / "key"
+    key.write_text("k")
+    both = {"TOKENLINE_API_KEY": "a", "TOKENLINE_API_KEY_FILE": str(key)}
+    with pytest.raises(SystemExit, match="TOKENLINE_API_KEY and --api-key-file both"):
+        proxy_config([], both)
+    with pytest.raises(SystemExit, match="TOKENLINE_API_KEY_FILE: no key in"):
+        proxy_config([], {"TOKENLINE_API_KEY_FILE": str(empty)})
+    with pytest.raises(SystemExit, match="contradict"):
+        proxy_config(["--open"], {"TOKENLINE_API_KEY": "a"})
