@@ -1,0 +1,52 @@
+"""Which output tokens produced which input characters, for the characters a parser still holds.
+
+A parser's input is a character stream fed in segments; each segment came from a run of output
+tokens `[first, end)`. Only segments overlapping text the parser has not yet released are kept,
+so the record is bounded by what the parser holds (its own documented bound).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+
+import msgspec
+
+from tokenline.services.derender.parsers.pieces import TokenRange
+
+
+class Spans(msgspec.Struct, kw_only=True):
+    total: int = 0
+    """Characters fed so far (the offset the next segment starts at)."""
+    segments: list[tuple[int, int, int]] = []
+    """(end offset, first token, end token) of each kept segment, in input order."""
+    last_token: int = 0
+    """End token of the latest segment: where an empty piece is placed."""
+
+
+def track(spans: Spans, n_chars: int, tokens: TokenRange) -> int:
+    """Record `n_chars` new characters produced by `tokens`; their start offset."""
+    start = spans.total
+    spans.last_token = max(spans.last_token, tokens[1])
+    if n_chars:
+        spans.total += n_chars
+        spans.segments.append((spans.total, *tokens))
+    return start
+
+
+def tokens_of(spans: Spans, start: int, end: int) -> TokenRange:
+    """Tokens that produced the characters `[start, end)` (which must still be tracked)."""
+    if start >= end or not spans.segments:
+        return (spans.last_token, spans.last_token)
+    ends = [seg[0] for seg in spans.segments]
+    first = spans.segments[min(bisect_right(ends, start), len(ends) - 1)]
+    last = spans.segments[min(bisect_left(ends, end), len(ends) - 1)]
+    return (first[1], last[2])
+
+
+def release(spans: Spans, upto: int) -> None:
+    """Forget segments that end at or before offset `upto` (no piece will need them)."""
+    keep = 0
+    while keep < len(spans.segments) and spans.segments[keep][0] <= upto:
+        keep += 1
+    if keep:
+        del spans.segments[:keep]

@@ -1,0 +1,199 @@
+"""Differential tests: our parsers against vLLM's own, in-process, on Qwen3-vocabulary outputs.
+
+Every case is answered by vLLM's non-streaming path (`Parser.parse`, what a chat completion's
+message carries) and by our chain fed token by token (then flushed), and whole; the two must
+agree exactly: reasoning, content (`None` vs `""` too), tool-call names and arguments, for every
+composition vLLM builds from `--reasoning-parser` and `--tool-call-parser`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.services.derender.parsers.oracle import (
+    COMBOS,
+    Case,
+    Vllm,
+    flat,
+    ours,
+    per_token,
+)
+
+H_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+)
+H_CALL2 = '<tool_call>\n{"name": "search", "arguments": {"q": "日本語 ü 😀"}}\n</tool_call>'
+X_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+X_TYPED = (
+    "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
+    '<parameter=metric>\nTrue\n</parameter>\n<parameter=where>\n{"lat": "1.5"}\n</parameter>\n'
+    "<parameter=tags>\n[1, 2]\n</parameter>\n<parameter=unit>\nnull\n</parameter>\n"
+    "<parameter=city>\nA\n</parameter>\n<parameter=city>\nB\n</parameter>\n</function>\n</tool_call>"
+)
+R = "<think>\nThe user wants weather.\n</think>\n\n"
+OUTPUTS = {
+    "empty": "",
+    "plain": "Hello there, 世界!",
+    "whitespace": "  \n ",
+    "think": R + "Hello.",
+    "think_no_open": "hmm\n</think>\n\nHello.",
+    "think_unterminated": "<think>\nstill thinking about 😀",
+    "think_empty": "<think></think>",
+    "think_twice": R + "a</think>b<think>c",
+    "special_token": R + "x<|im_end|>y<|endoftext|>",
+    "hermes_call": R + H_CALL,
+    "hermes_two_calls": R + "Sure.\n" + H_CALL + "\n" + H_CALL2,
+    "hermes_bad_json": R + "<tool_call>\n{bad}\n</tool_call>",
+    "hermes_good_then_bad": R + H_CALL + "\n<tool_call>{bad</tool_call>",
+    "hermes_text_after": R + H_CALL + "\nafter text",
+    "hermes_no_arguments": R + '<tool_call>{"name": "f"}</tool_call>',
+    "hermes_unclosed": R + '<tool_call>{"name": "f", "arguments": {}}',
+    "hermes_empty_call": R + "<tool_call></tool_call>",
+    "xml_call": R + X_CALL,
+    "xml_text_before": R + "Let me check.\n" + X_CALL + "\n",
+    "xml_two_calls": R + X_CALL + "\n" + X_CALL.replace("Paris", "Rome"),
+    "xml_text_after": R + X_CALL + "\nafter",
+    "xml_truncated": R + X_CALL[:60],
+    "xml_typed": R + X_TYPED,
+    "xml_no_tool_call_wrapper": R
+    + "<function=search>\n<parameter=q>\nx\n</parameter>\n</function>",
+    "xml_json_body": R + '<tool_call>\n<function=>{"name": "search", "arguments": {"q": 1}}'
+    "</function>\n</tool_call>",
+    "xml_nameless": R + "<tool_call>\n<function=>\n</function>\n</tool_call> tail",
+    "xml_think_in_content": R + "a</think>b" + X_CALL,
+}
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}+{c[1]}")
+@pytest.mark.parametrize("name", sorted(OUTPUTS))
+def test_corpus_matches_vllm_whole(vllm: Vllm, combo: tuple[str | None, str | None], name: str):
+    text = vllm.tok.decode(vllm.tok.encode(OUTPUTS[name], add_special_tokens=False))
+    chunks = per_token(vllm.tok, text)
+    for case in _cases(*combo):
+        if (combo, name) in LEGACY_RAW and case.tool_choice != "none":
+            continue  # test_legacy_pair_streams_content_raw
+        expected = vllm.whole(case, text)
+        assert ours(case, vllm.special_tokens, chunks) == expected, case
+        assert ours(case, vllm.special_tokens, [([0] * len(chunks), text)]) == expected, case
+
+
+LEGACY_RAW = {(("deepseek_r1", "qwen3_coder"), "xml_think_in_content")}
+
+
+def test_legacy_pair_streams_content_raw(vllm: Vllm):
+    """deepseek_r1 + qwen3_coder: vLLM drops `</think>` and special tokens from the content
+    before a call only if some call stands, and keeps them otherwise; we stream them (kept)."""
+    case = Case("deepseek_r1", "qwen3_coder")
+    with_call, without = OUTPUTS["xml_think_in_content"], R + "a</think>b"
+    assert vllm.whole(case, with_call)[1] == "ab"
+    assert ours(case, vllm.special_tokens, per_token(vllm.tok, with_call))[1] == "a</think>b"
+    assert vllm.whole(case, without)[1] == "\n\na</think>b"
+    assert ours(case, vllm.special_tokens, per_token(vllm.tok, without))[1] == "\n\na</think>b"
+
+
+def _cases(reasoning: str | None, tool: str | None) -> list[Case]:
+    cases = [Case(reasoning, tool), Case(reasoning, tool, enable_thinking=False)]
+    if tool is not None:
+        cases += [
+            Case(reasoning, tool, tool_choice="none"),
+            Case(reasoning, tool, tool_choice="required"),
+            Case(reasoning, tool, tools=None),
+        ]
+    return cases
+
+
+# vLLM's streaming answer (deltas joined) differs from its own non-streaming answer here; ours
+# streams the non-streaming answer. The streamed value is asserted so this list stays true.
+STREAMING_DIFFERS = [
+    # hermes streams calls as they come: a later bad call cannot take the first one back.
+    ("qwen3", "hermes", "hermes_good_then_bad", ("\nThe user wants weather.\n", "\n\n", 1)),
+    # hermes streams no markup as content, so a bad call vanishes instead of becoming content.
+    ("qwen3", "hermes", "hermes_bad_json", ("\nThe user wants weather.\n", "\n\n", 0)),
+    # hermes streams the whitespace before a call, which the whole answer drops.
+    ("qwen3", "hermes", "hermes_call", ("\nThe user wants weather.\n", "\n\n", 1)),
+    # the engine streams content unstripped, and text after a call as content.
+    ("qwen3", "qwen3_coder", "xml_text_before", ("\nThe user wants weather.\n", None, 1)),
+    ("qwen3", "qwen3_coder", "xml_text_after", ("\nThe user wants weather.\n", "after", 1)),
+    # a truncated call streams its partial arguments; the whole answer has none.
+    ("qwen3", "qwen3_coder", "xml_truncated", ("\nThe user wants weather.\n", None, 1)),
+    # deepseek_r1 streams text before a late `<think>` as reasoning; the whole answer drops it.
+    ("deepseek_r1", None, "ds_text_before_think", ("intro r", "c", 0)),
+]
+
+
+@pytest.mark.parametrize(("reasoning", "tool", "name", "streamed"), STREAMING_DIFFERS)
+def test_we_stream_the_whole_answer_where_vllm_streaming_differs(
+    vllm: Vllm,
+    reasoning: str | None,
+    tool: str | None,
+    name: str,
+    streamed: tuple[str | None, str | None, int],
+):
+    text = {**OUTPUTS, "ds_text_before_think": "intro <think>r</think>c"}[name]
+    case, chunks = Case(reasoning, tool), per_token(vllm.tok, text)
+    whole, theirs = vllm.whole(case, text), vllm.streamed(case, chunks)
+    assert flat(theirs) != flat(whole)
+    if streamed[1] is not None:
+        assert theirs[:2] == streamed[:2]
+    assert theirs[0] == streamed[0] and len(theirs[2]) == streamed[2]
+    assert ours(case, vllm.special_tokens, chunks) == whole
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: f"{c[0]}+{c[1]}")
+@pytest.mark.parametrize(
+    "name", ["plain", "think", "think_unterminated", "xml_call", "hermes_two_calls"]
+)
+def test_where_vllm_streaming_agrees_we_agree_with_it(
+    vllm: Vllm, combo: tuple[str | None, str | None], name: str
+):
+    case, chunks = Case(*combo), per_token(vllm.tok, OUTPUTS[name])
+    whole, streamed = vllm.whole(case, OUTPUTS[name]), vllm.streamed(case, chunks)
+    if flat(streamed) == flat(whole):
+        assert flat(ours(case, vllm.special_tokens, chunks)) == flat(streamed)
+
+
+FRAGMENTS = [
+    *("<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>"),
+    *("<parameter=", "</parameter>", ">", "<", "</", "<tool_", "<think", "\n", "\n\n", " "),
+    *("get_weather", "city", "days", "metric", "search", "name", "x", "5", "true", "null"),
+    *("Paris", "é😀", "{", "}", '"', ":", ",", '{"name": "get_weather", "arguments": {"days": 1}}'),
+    *('"name": "search"', '{"a": 1}', "<|im_end|>", "<|endoftext|>", "<|im_start|>", "\\"),
+    *("[1]", " parameter", "=", '"arguments": ', "1.5", "-3", "[", "]"),
+]
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    fragments=st.lists(st.sampled_from(FRAGMENTS), max_size=25),
+    combo=st.sampled_from(COMBOS),
+    tool_choice=st.sampled_from(["auto", "none", "required"]),
+    thinking=st.booleans(),
+    step=st.integers(1, 6),
+)
+def test_markup_soup_matches_vllm_whole(
+    vllm: Vllm,
+    fragments: list[str],
+    combo: tuple[str | None, str | None],
+    tool_choice: str,
+    thinking: bool,
+    step: int,
+):
+    text = "".join(fragments)
+    late_think = combo[0] == "deepseek_r1" and text.find("<think>") >= 32
+    legacy_drop = combo == ("deepseek_r1", "qwen3_coder") and (
+        "<|" in text or text.count("</think>") > 1
+    )
+    if late_think or legacy_drop:
+        return  # the two documented divergences: deepseek_r1's window, the legacy pair's drops
+    case = Case(*combo, tool_choice=tool_choice, enable_thinking=thinking)
+    chunks = [([0], text[i : i + step]) for i in range(0, len(text), step)]
+    assert ours(case, vllm.special_tokens, chunks) == vllm.whole(case, text)
