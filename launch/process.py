@@ -8,6 +8,7 @@ file, to our stdout with every line prefixed by its name, or straight to our std
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -134,7 +135,10 @@ class Process:
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = 30.0) -> None:
         """Signal the whole process group; SIGKILL it if it is still up after `grace` s."""
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            self.reap()
             return
         try:
             os.killpg(self.proc.pid, sig)
@@ -144,6 +148,14 @@ class Process:
             self.proc.wait(timeout=10)
         except ProcessLookupError:
             pass
+
+    def reap(self) -> None:
+        """SIGKILL what is left of an exited child's process group (a vLLM engine core,
+        derender's worker processes), so a restart finds its ports and memory free."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def wait_all(

@@ -1,17 +1,26 @@
-"""`tokenline up`: the whole pipeline as local processes, one command.
+"""`tokenline up`: the whole pipeline as local processes, one command, kept running.
 
-Starts a prefill and a decode vLLM instance (or one with `--no-pd`) on the model (the offline
-tiny model, built if missing, unless `--model` names one), render and derender replicas and the
-proxy, all on loopback. Shows progress while vLLM starts, prefixes every service's log lines with
-its name, and on Ctrl-C (or if any service dies) stops everything, process groups included.
+Starts prefill and decode vLLM instances (`--prefill N --decode N`; one pool with `--no-pd`) on
+the model (the offline tiny model, built if missing, unless `--model` names one), render and
+derender replicas and the proxy, all on loopback. Shows progress while vLLM starts and prefixes
+every service's log lines with its name.
+
+Once everything is up, it supervises like compose's `restart: unless-stopped`: a service that
+exits is restarted on its port with backoff (1 s, 2 s, 4 s, ... 30 s; back to 1 s once it has
+stayed healthy a minute), and the proxy takes it back after its first passing health check while
+the other replicas keep serving. Only Ctrl-C or SIGTERM stops everything, process groups
+included. A service that cannot start in the first place stops `up` (a mistake, not a crash).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -20,9 +29,12 @@ from tokenline.launch.cli import child_argv
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process, ProcessExited, free_port, say, wait_all
 from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
-from tokenline.shared.config import CommandLine, Port, Positive, Seconds
+from tokenline.shared.config import CommandLine, NonNegative, Port, Positive, Seconds
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenline"
+WATCH_S = 0.5
+BACKOFF_S, BACKOFF_CAP_S = 1.0, 30.0
+STABLE_S = 60.0  # healthy this long after a restart: the next exit starts the backoff over
 
 
 class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,16 +48,36 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Render replicas."""
     derender: Positive = 1
     """Derender replicas."""
+    prefill: NonNegative = 1
+    """Prefill engines (0: none, as --no-pd)."""
+    decode: Positive = 1
+    """Decode engines (with --no-pd: engines that prefill for themselves)."""
     no_pd: bool = False
-    """One generate instance instead of a prefill/decode pair."""
+    """One generate pool instead of prefill and decode pools."""
+    tokens_only: bool = False
+    """Run the engines with --tokens-only (no tokenizer: structured outputs and bad_words
+    are refused with a 400)."""
+    vllm_bin: str | None = None
+    """The vllm executable (default: beside this interpreter, else on PATH)."""
     host: str = "127.0.0.1"
     """Address the proxy listens on (every other service stays on loopback)."""
     port: Port = 8000
     """The proxy's port."""
+    api_key_file: str | None = None
+    """A file holding the key clients must send. Without one the proxy runs open, which only
+    a loopback --host allows unless --open says so."""
+    open: bool = False
+    """Let the proxy serve without an API key on a non-loopback --host."""
     max_model_len: Positive = 2048
     """Context length."""
     timeout: Seconds = 600.0
     """Start-up limit, seconds."""
+    drain_timeout: Seconds = 5.0
+    """Seconds the proxy lets streams finish when stopping (its --drain-timeout)."""
+
+    @property
+    def pd(self) -> bool:
+        return not self.no_pd and self.prefill > 0
 
 
 CLI = CommandLine(UpConfig)
@@ -55,26 +87,54 @@ def _service(name: str, argv: list[str], port: int, env: dict[str, str] | None =
     return Process(name, argv, port, env=env, output="relay")
 
 
+def _roles(up: UpConfig) -> list[tuple[str, Role]]:
+    """(name, role) of every engine: `generate-prefill-0`, ..., `generate-decode-0`, ..."""
+    if not up.pd:
+        return [(f"generate-{i}", "both") for i in range(up.decode)]
+    prefill: list[tuple[str, Role]] = [
+        (f"generate-prefill-{i}", "prefill") for i in range(up.prefill)
+    ]
+    return [*prefill, *((f"generate-decode-{i}", "decode") for i in range(up.decode))]
+
+
 def _engines(up: UpConfig, model: Path, served: str) -> list[Process]:
-    """One generate instance, or a prefill and a decode pinned to disjoint cores."""
-    roles: list[tuple[str, Role, str | None]] = (
-        [("generate", "both", None)]
-        if up.no_pd
-        else [("generate-prefill", "prefill", "0"), ("generate-decode", "decode", "1")]
-    )
+    """The generate engines; P/D ones pinned to cores in turn (a prefill holding KV
+    busy-steps and starves a peer on its core)."""
+    cores = os.cpu_count() or 1
     engines = []
-    for name, role, cores in roles:
+    for k, (name, role) in enumerate(_roles(up)):
         config = GenerateConfig(
             model=str(model),
             role=role,
+            tokens_only=up.tokens_only,
             port=free_port(),
             served_model_name=served,
             max_model_len=up.max_model_len,
-            cpu_cores=cores,
-            nixl_port=free_port() if cores else None,
+            cpu_cores=str(k % cores) if up.pd else None,
+            nixl_port=free_port() if up.pd else None,
+            vllm_bin=up.vllm_bin,
         )
         engines.append(_service(name, command(config), config.port, env=environment(config)))
     return engines
+
+
+def _proxy_access(up: UpConfig) -> list[str]:
+    """The proxy's key flag, or --open where that is safe or asked for."""
+    if up.api_key_file is not None:
+        return ["--api-key-file", up.api_key_file]
+    if up.open or _loopback(up.host):
+        return ["--open"]
+    raise SystemExit(
+        f"--host {up.host} reaches beyond this machine: give the proxy a key "
+        "(--api-key-file) or run it open on purpose (--open)"
+    )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process]:
@@ -91,13 +151,64 @@ def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process
     def urls(prefix: str) -> list[str]:
         return [s.url for s in backends if s.name.startswith(prefix)]
 
-    argv = child_argv("proxy", "--host", up.host, "--port", str(up.port))
+    argv = child_argv("proxy", "--host", up.host, "--port", str(up.port), *_proxy_access(up))
+    argv += ["--drain-timeout", str(up.drain_timeout)]
     argv += ["--render", *urls("render"), "--derender", *urls("derender")]
-    if up.no_pd:
-        argv += ["--decode", *urls("generate")]
-    else:
+    if up.tokens_only:
+        argv.append("--generate-tokens-only")
+    if up.pd:
         argv += ["--decode", *urls("generate-decode"), "--prefill", *urls("generate-prefill")]
-    return backends, _service("proxy", argv, up.port)
+    else:
+        argv += ["--decode", *urls("generate")]
+    proxy = _service("proxy", argv, up.port)
+    proxy.ready = (200, 503)  # up, if a pool is still degraded; its own log says which
+    return backends, proxy
+
+
+def backoff(restarts: int) -> float:
+    """Seconds before restart number `restarts` + 1: 1, 2, 4, ... up to 30."""
+    return min(BACKOFF_CAP_S, BACKOFF_S * 2.0**restarts)
+
+
+@dataclass
+class Supervised:
+    """One service under `restart: unless-stopped`; `tick()` moves it along."""
+
+    process: Process
+    restarts: int = 0
+    restart_at: float | None = None
+    """When an exited service starts again (None: running)."""
+    rejoined: bool = True
+    """False from a restart until its first passing health check."""
+    healthy_since: float = 0.0
+
+    def tick(self, now: float) -> None:
+        p = self.process
+        if self.restart_at is None and p.exited():
+            self._exited(now)
+        elif self.restart_at is not None and now >= self.restart_at:
+            self._restart()
+        elif not self.rejoined and p.alive() and p.healthy():
+            self.rejoined, self.healthy_since = True, now
+            say(f"[up] {p.name} is healthy again")
+
+    def _exited(self, now: float) -> None:
+        p = self.process
+        assert p.proc is not None
+        code = p.proc.returncode
+        p.reap()  # what its group left behind (vLLM's engine core, derender's workers)
+        if self.rejoined and now - self.healthy_since >= STABLE_S:
+            self.restarts = 0
+        delay = backoff(self.restarts)
+        self.restart_at = now + delay
+        say(f"[up] {p.name} exited with code {code}; restarting in {delay:.0f} s")
+
+    def _restart(self) -> None:
+        p = self.process.start()
+        assert p.proc is not None
+        self.restarts += 1
+        self.restart_at, self.rejoined = None, False
+        say(f"[up] restarted {p.name} pid={p.proc.pid} on {p.url} (restart {self.restarts})")
 
 
 def _start(services: list[Process], timeout: float) -> None:
@@ -120,16 +231,17 @@ def _model(up: UpConfig) -> tuple[Path, str]:
     return model, up.served_model_name or model.name
 
 
-def _watch(everything: list[Process], stopping: threading.Event) -> int:
-    """Until Ctrl-C (0) or until any service exits (1)."""
-    while not stopping.wait(0.5):
-        if dead := [s.name for s in everything if s.exited()]:
-            say(f"[up] {', '.join(dead)} exited; stopping")
-            return 1
+def _supervise(everything: list[Process], stopping: threading.Event) -> int:
+    """Restart whatever exits, until Ctrl-C or SIGTERM (0)."""
+    services = [Supervised(p, healthy_since=time.monotonic()) for p in everything]
+    while not stopping.wait(WATCH_S):
+        for service in services:
+            service.tick(time.monotonic())
     return 0
 
 
 def run_up(up: UpConfig) -> int:
+    _proxy_access(up)  # refuse an open proxy on a public address before building anything
     model, served = _model(up)
     backends, proxy = plan(up, model, served)
     everything = [*backends, proxy]
@@ -154,7 +266,7 @@ def run_up(up: UpConfig) -> int:
             f"[up] tokenline is up: OpenAI endpoint http://{up.host}:{up.port}/v1 "
             f"(model {served!r}). Ctrl-C stops everything."
         )
-        return _watch(everything, stopping)
+        return _supervise(everything, stopping)
     except (ProcessExited, TimeoutError) as exc:
         say(f"[up] {exc}")
         return 1
@@ -163,7 +275,8 @@ def run_up(up: UpConfig) -> int:
         return 130
     finally:
         say("[up] stopping")
-        for service in reversed(everything):
+        proxy.stop(grace=up.drain_timeout + 10)  # first, so nothing new reaches the others
+        for service in reversed(backends):
             service.stop()
         say("[up] stopped")
 
