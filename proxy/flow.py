@@ -31,6 +31,8 @@ from tokenline.shared.wire import (
     GenerateResponse,
     GenerateStreamChoice,
     GenerateStreamChunk,
+    PromptLogprobs,
+    SamplingParams,
     Usage,
 )
 
@@ -80,6 +82,28 @@ def engine_request(
         stream=stream,
         stream_options=None,
         kv_transfer_params=kv,
+    )
+
+
+def prompt_request(gen: GenerateRequest) -> GenerateRequest:
+    """A stream's "prompt leg": one token, not streamed, only for the prompt logprobs that a
+    stream echoing its prompt with logprobs shows first and a generate stream never carries.
+
+    Sampling does not matter (prompt logprobs come from the raw logits), so nothing of the
+    client's is kept but the prompt and the number of candidates; a request with prompt
+    logprobs never reads the prefix cache, so they come out as the stream's own would.
+    """
+    params = SamplingParams(
+        max_tokens=1, prompt_logprobs=gen.sampling_params.prompt_logprobs, detokenize=False
+    )
+    return msgspec.structs.replace(
+        gen,
+        request_id=f"{gen.request_id}-prompt",
+        sampling_params=params,
+        stream=False,
+        stream_options=None,
+        return_token_ids=None,
+        kv_transfer_params=None,
     )
 
 
@@ -234,7 +258,8 @@ def _merged(a: GenerateStreamChoice, b: GenerateStreamChoice) -> GenerateStreamC
 @dataclass(frozen=True)
 class DerenderView:
     """The client request as a stream's derender calls carry it: only the fields derender
-    reads (`DERENDER_READS`), encoded once per stream, not the whole body with every chunk."""
+    reads (`DERENDER_READS`), encoded once per stream, not the whole body with every chunk;
+    the first call of each choice may also carry its prompt (`Kind.first_fields`)."""
 
     raw: bytes
     """JSON, for JSON transports (sent as it is, never re-encoded)."""
@@ -242,9 +267,11 @@ class DerenderView:
     """The same, decoded, for binary transports."""
 
     @classmethod
-    def of(cls, kind: Kind, client: ClientRequest) -> DerenderView:
+    def of(
+        cls, kind: Kind, client: ClientRequest, prompt: dict[str, Any] | None = None
+    ) -> DerenderView:
         kept = {name: getattr(client, name) for name in DERENDER_READS if hasattr(client, name)}
-        raw = msgspec.json.encode({**kind.prompt_stub, **kept})
+        raw = msgspec.json.encode({**kind.prompt_stub, **kept, **(prompt or {})})
         return cls(raw, kind.client_request.decode(raw))
 
 
@@ -333,10 +360,27 @@ class StreamFlow:
     rendered: Rendered
     progress: dict[tuple[int, int], ChoiceProgress] = field(default_factory=dict)
     model: str = ""
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    """Per prompt, when its echo shows them (`needs_prompt_logprobs`): put on the first chunk
+    of each of its choices (`GenerateStreamChunk.prompt_logprobs`)."""
     view: DerenderView = field(init=False)
+    first_views: list[DerenderView] = field(init=False)
+    """Per prompt: the view its choices' first calls carry (`view` unless echo or the role
+    needs the prompt), each encoded once."""
 
     def __post_init__(self) -> None:
         self.view = DerenderView.of(self.kind, self.client)
+        self.first_views = [self._first_view(p) for p in range(len(self.gens))]
+
+    def _first_view(self, p: int) -> DerenderView:
+        prompt = self.kind.first_fields(self.client, p)
+        return DerenderView.of(self.kind, self.client, prompt) if prompt else self.view
+
+    def needs_prompt_logprobs(self) -> bool:
+        """The stream shows prompt logprobs (completions echoing with logprobs), which the
+        generate stream never carries: each prompt's must be found before its stream."""
+        logprobs = getattr(self.client, "logprobs", None)
+        return self.client.echo and self.kind.stream_echo_logprobs and logprobs is not None
 
     @property
     def gens(self) -> list[GenerateRequest]:
@@ -351,15 +395,18 @@ class StreamFlow:
         prog = self.progress.setdefault((p, chunk.choices[0].index), ChoiceProgress())
         if prog.finished:
             return None
-        gen = self.gens[p]
+        first = prog.state is None
+        view = self.first_views[p] if first else self.view
+        if first and p in self.prompt_logprobs:
+            chunk = msgspec.structs.replace(chunk, prompt_logprobs=self.prompt_logprobs[p])
         return StreamCall(
             self.kind,
             self.client.model,
             chunk,
             prog.state,
-            gen.token_ids,
-            self.view.raw,
-            self.view.request,
+            self.gens[p].token_ids,
+            view.raw,
+            view.request,
         )
 
     def accept(self, p: int, chunk: GenerateStreamChunk, answer: StreamAnswer) -> Emission | None:
@@ -406,13 +453,14 @@ class StreamFlow:
         if not (opts and opts.include_usage):
             return None
         completion = sum(s.completion_tokens for s in self.progress.values())
+        usage = msgspec.structs.asdict(self.usage(None, completion))
         return {
             "id": self.rendered.public_id,
             "object": self.kind.chunk_object,
             "created": int(time.time()),
             "model": self.model,
             "choices": [],
-            "usage": self.usage(None, completion),
+            "usage": {k: v for k, v in usage.items() if v is not None},  # vLLM leaves out nulls
         }
 
     def _continuous_usage(self) -> bool:

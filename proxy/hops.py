@@ -26,7 +26,13 @@ from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamFailed, UpstreamRejected
 from tokenline.shared.kinds import Kind
-from tokenline.shared.wire import GENERATE_RESPONSE, JSON, GenerateRequest, GenerateResponse
+from tokenline.shared.wire import (
+    GENERATE_RESPONSE,
+    JSON,
+    GenerateRequest,
+    GenerateResponse,
+    PromptLogprobs,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +47,7 @@ class Prefilled:
 
     worker: Worker | None
     kv: dict[str, Any] | None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     """Computed by the prefill leg when asked for: a decode behind it never runs the prompt."""
 
 

@@ -27,13 +27,20 @@ from tokenline.proxy.flow import (
     engine_request,
     generate_chunk,
     merge_chunks,
+    prompt_request,
     whole_derender_body,
 )
 from tokenline.proxy.hops import Hops, Prefilled
 from tokenline.proxy.pool import Worker
 from tokenline.shared.errors import ServiceError, UpstreamError, as_service_error
 from tokenline.shared.kinds import Kind
-from tokenline.shared.wire import JSON, GenerateRequest, GenerateResponse, GenerateStreamChunk
+from tokenline.shared.wire import (
+    JSON,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamChunk,
+    PromptLogprobs,
+)
 
 QUEUE_LIMIT = 65536  # generate chunks buffered per prompt before the request is failed
 OUT_BUFFER = 64  # client chunks ready ahead of the client (backpressure beyond)
@@ -112,11 +119,25 @@ class Streaming:
 
     async def _prompt(self, p: int, gen: GenerateRequest) -> None:
         async def decode(g: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]) -> None:
+            if self.flow.needs_prompt_logprobs():
+                self.flow.prompt_logprobs[p] = await self._prompt_logprobs(g, pre, exclude)
             await self._decode(p, g, pre.kv, exclude)
 
         await self.hops.behind_prefill(
             gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)
         )
+
+    async def _prompt_logprobs(
+        self, gen: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]
+    ) -> PromptLogprobs:
+        """The prompt logprobs an echo shows first: the prefill leg's, else a prompt leg's
+        (one more prefill on a decode replica before the stream, only for such requests)."""
+        if pre.prompt_logprobs is not None:
+            return pre.prompt_logprobs
+        answer = await self.hops.generate_whole(prompt_request(gen), self.headers, exclude)
+        if answer.prompt_logprobs is None:
+            raise UpstreamError("generate answered the prompt leg without prompt_logprobs")
+        return answer.prompt_logprobs
 
     async def _decode(
         self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]

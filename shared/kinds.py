@@ -9,6 +9,7 @@ of branching on it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from tokenline.shared.wire import (
     DerenderCompletionRequest,
     DerenderCompletionStreamResponse,
     GenerateRequest,
+    nth_prompt,
 )
 
 KindName = Literal["chat", "completion"]
@@ -39,9 +41,27 @@ DERENDER_READS = (
     "min_tokens",
     "stop_token_ids",
     "ignore_eos",
+    "echo",
+    "add_generation_prompt",
 )
 """The client request fields derender reads (a test keeps this in step with derender's code):
 a stream's derender calls carry only these, not the whole client body with every chunk."""
+DERENDER_FIRST_READS = ("messages", "prompt")
+"""The prompt fields derender also reads, for a choice's first chunk only (its role, its echo):
+that call carries them cut to what it needs (`Kind.first_fields`), the others a stub."""
+
+
+def _chat_first(client: Any, p: int) -> dict[str, Any]:
+    """The last message, when the role or the echo depends on it (its content only to echo)."""
+    if client.add_generation_prompt and not client.echo:
+        return {}
+    last = client.messages[-1]
+    return {"messages": [{"role": last.role, "content": last.content if client.echo else None}]}
+
+
+def _completion_first(client: Any, p: int) -> dict[str, Any]:
+    """Prompt `p` alone, as sent, when it is echoed."""
+    return {"prompt": nth_prompt(client.prompt, p)} if client.echo else {}
 
 
 @dataclass(frozen=True)
@@ -67,8 +87,14 @@ class Kind:
     """OpenAI's completions show the sampled token besides the top `logprobs` candidates, so the
     engine is asked for one more (chat shows exactly `top_logprobs`)."""
     prompt_stub: dict[str, Any]
-    """What stands for the prompt in the client request a stream's derender calls carry (derender
-    never reads the prompt; vLLM's request type requires one)."""
+    """What stands for the prompt in the client request a stream's derender calls carry (vLLM's
+    request type requires one; derender reads it only in a choice's first call)."""
+    first_fields: Callable[[Any, int], dict[str, Any]]
+    """What replaces the stub in the first call of each choice of prompt `p` of a client
+    request: the prompt as derender reads it there (nothing when the stub does as well)."""
+    stream_echo_logprobs: bool
+    """A stream's echo shows the prompt tokens' logprobs (completions), so the first chunk of
+    each choice needs the prompt logprobs; chat's echo is text only."""
 
     # Decoders, built once per kind from the types above (cached on first use).
 
@@ -126,6 +152,8 @@ CHAT = Kind(
     one_prompt=True,
     logprobs_include_sampled=False,
     prompt_stub={"messages": [{"role": "user", "content": ""}]},
+    first_fields=_chat_first,
+    stream_echo_logprobs=False,
 )
 COMPLETION = Kind(
     name="completion",
@@ -142,5 +170,7 @@ COMPLETION = Kind(
     one_prompt=False,
     logprobs_include_sampled=True,
     prompt_stub={"prompt": ""},
+    first_fields=_completion_first,
+    stream_echo_logprobs=True,
 )
 KINDS = {k.name: k for k in (CHAT, COMPLETION)}

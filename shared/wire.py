@@ -223,6 +223,21 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 Prompt = str | list[Any]
 
 
+def prompts_in(prompt: Prompt) -> int:
+    """How many prompts a completions `prompt` holds (a string or one ID list is one)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+def nth_prompt(prompt: Prompt, p: int) -> str | list[Any]:
+    """Prompt `p` of a completions `prompt`, as the client sent it: a string or an ID list."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return prompt
+    found: str | list[Any] = prompt[p]
+    return found
+
+
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
@@ -307,6 +322,22 @@ class GenerateRequest(Wire, kw_only=True):
 # --------------------------------------------------------------------------- generate response
 
 
+class PromptLogprob(Wire, kw_only=True):
+    """One candidate at one prompt position, as vLLM's `Logprob` serializes.
+
+    Generate (asked with `detokenize: false`) leaves `decoded_token` null; derender fills it
+    as monolithic vLLM does before an answer reaches the client."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""vLLM's prompt logprobs: one entry per prompt token, the first null (nothing precedes it);
+each maps token IDs (JSON: decimal strings) to their logprob, the prompt's own token first."""
+
+
 class GenerateLogProb(Wire, kw_only=True):
     token_id: int
     logprob: float
@@ -351,7 +382,7 @@ class GenerateResponse(Wire, kw_only=True):
     model: str | None = None
     created: int | None = None
     usage: Usage | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: TokenIds | None = None
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
@@ -375,6 +406,12 @@ class GenerateStreamChunk(Wire, kw_only=True):
     metrics: dict[str, Any] | None = None
     output_mode: Literal["tokens"] = "tokens"
     choices: list[GenerateStreamChoice] = []
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    """tokenline extension, never sent by generate (a vLLM stream does not carry prompt
+    logprobs): the proxy puts the prompt's logprobs (from the prefill leg, or from a one-token
+    "prompt leg") on the first chunk of each choice of a completions stream that echoes the
+    prompt with logprobs, which monolithic vLLM shows in that choice's first chunk. Left out
+    (unset) otherwise, so other chunks cost no byte more."""
 
 
 # --------------------------------------------------------------------------- OpenAI responses
@@ -427,6 +464,7 @@ class ChatCompletion(Wire, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -456,7 +494,7 @@ class ChatCompletionChunk(Wire, kw_only=True):
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionChoice(Wire, kw_only=True):
+class CompletionStreamChoice(Wire, kw_only=True):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -464,6 +502,13 @@ class CompletionChoice(Wire, kw_only=True):
     stop_reason: StopReason = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+
+
+class CompletionChoice(CompletionStreamChoice, kw_only=True):
+    """A whole answer's choice: a stream's, plus its prompt's logprobs (vLLM shows them on
+    every choice of the prompt, not at the top level as chat does)."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(Wire, kw_only=True):
@@ -481,7 +526,7 @@ class CompletionChunk(Wire, kw_only=True):
     object: str = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: Usage | None = None
 
 

@@ -14,7 +14,12 @@ from tokenline.shared.errors import BadRequest
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.served import served_name
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import GenerateChoice, GenerateResponse, GenerateStreamChoice
+from tokenline.shared.wire import (
+    GenerateChoice,
+    GenerateResponse,
+    GenerateStreamChoice,
+    PromptLogprobs,
+)
 
 Choice = GenerateChoice | GenerateStreamChoice
 
@@ -83,6 +88,31 @@ def check_choice(c: Choice, tok: ModelTokenizer, s: DerenderSettings, whole: boo
         _check_ids([entry.token_id, *(t.token_id for t in entry.top_logprobs)], tok, "logprobs")
 
 
+def check_prompt_logprobs(
+    entries: PromptLogprobs | None, rid: str, tok: ModelTokenizer, s: DerenderSettings
+) -> None:
+    """Prompt logprobs: at most one entry per token of the longest prompt, each with the
+    prompt's token and at most `max_logprobs` candidates, every ID in the vocabulary."""
+    if entries is None:
+        return
+    if len(entries) > s.max_model_len:
+        raise BadRequest(
+            f"prompt_logprobs length ({len(entries)}) in response '{rid}' exceeds "
+            f"max_model_len ({s.max_model_len}).",
+            param="prompt_logprobs",
+        )
+    for pos, entry in enumerate(entries):
+        if entry is None:
+            continue
+        if len(entry) > s.max_logprobs + 1:
+            raise BadRequest(
+                f"prompt_logprobs[{pos}] in response '{rid}' holds {len(entry)} candidates, "
+                f"more than max_logprobs ({s.max_logprobs}) and the prompt's token.",
+                param="prompt_logprobs",
+            )
+        _check_ids(entry, tok, "prompt_logprobs")
+
+
 def check_response(r: GenerateResponse, tok: ModelTokenizer, s: DerenderSettings) -> None:
     if len(r.choices) > s.max_choices:
         raise BadRequest(
@@ -93,3 +123,4 @@ def check_response(r: GenerateResponse, tok: ModelTokenizer, s: DerenderSettings
     for c in r.choices:
         check_choice(c, tok, s, whole=True)
     check_prompt_ids(r.prompt_token_ids, tok, s)
+    check_prompt_logprobs(r.prompt_logprobs, r.request_id, tok, s)

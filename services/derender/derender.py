@@ -18,9 +18,12 @@ from tokenline.services.derender.bounds import (
     DerenderSettings,
     check_choice,
     check_prompt_ids,
+    check_prompt_logprobs,
     model_name,
 )
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
+from tokenline.services.derender.echo import Echo, chat_echo, chat_role, completion_echo
+from tokenline.services.derender.logprobs import decoded_prompt_logprobs
 from tokenline.services.derender.parts import (
     chat_logprobs,
     completion_logprobs,
@@ -38,9 +41,9 @@ from tokenline.shared.wire import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatStreamChoice,
-    CompletionChoice,
     CompletionChunk,
     CompletionRequest,
+    CompletionStreamChoice,
     Delta,
     DerenderChatRequest,
     DerenderCompletionRequest,
@@ -50,6 +53,7 @@ from tokenline.shared.wire import (
     GenerateStreamChunk,
     StopMatch,
     Usage,
+    prompts_in,
 )
 
 DerenderRequest = DerenderChatRequest | DerenderCompletionRequest
@@ -64,15 +68,19 @@ class StreamCall:
     """The client's request of the call's kind (None when the caller sent none)."""
     chunk: GenerateStreamChunk
     state: ChoiceState
+    first: bool
+    """The choice's first call: the one that shows the role and any echo."""
+    prompt_ids: list[int] | None
 
 
 def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> ChatStreamChoice:
     request: ChatCompletionRequest | None = call.request
-    role = None if call.state.role_sent else "assistant"
+    first = not call.state.role_sent
     call.state.role_sent = True
+    text = chat_echo(request) + out.text if first else out.text
     return ChatStreamChoice(
         index=index,
-        delta=Delta(role=role, content=out.text or None),
+        delta=Delta(role=chat_role(request) if first else None, content=text or None),
         logprobs=chat_logprobs(call.tok, out, request),
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
@@ -80,19 +88,48 @@ def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> Chat
     )
 
 
-def _completion_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> CompletionChoice:
+def _first_ids(call: StreamCall) -> list[int] | None:
+    """The prompt's IDs, shown (when asked for) in the first chunk of each choice, as vLLM
+    does (a generate stream has them only in its very first chunk)."""
+    return if_asked(call.request, call.prompt_ids) if call.first else None
+
+
+def _stream_echo(call: StreamCall) -> Echo | None:
+    """A completions choice's echo, shown in its first chunk with the prompt logprobs the
+    proxy put on that chunk (a generate stream carries none)."""
     request: CompletionRequest | None = call.request
-    logprobs = completion_logprobs(call.tok, out, request)
+    if not call.first or request is None or not request.echo:
+        return None
+    if prompts_in(request.prompt) != 1:
+        raise BadRequest(
+            "a streaming derender call echoes one prompt: send that prompt alone in "
+            "completion_request.prompt",
+            param="completion_request.prompt",
+        )
+    entries = call.chunk.prompt_logprobs
+    decoded = decoded_prompt_logprobs(call.tok, entries) if isinstance(entries, list) else None
+    return completion_echo(call.tok, request, 0, call.prompt_ids, decoded)
+
+
+def _completion_stream_choice(
+    call: StreamCall, index: int, out: ChoiceOutput
+) -> CompletionStreamChoice:
+    request: CompletionRequest | None = call.request
+    echo = _stream_echo(call)
+    logprobs = completion_logprobs(call.tok, out, request, None if echo is None else echo.end())
+    if echo is not None:
+        logprobs = echo.joined(logprobs)
     if logprobs is not None and logprobs.tokens:
         # monolithic vLLM continues offsets by token lengths, not by the text sent
         call.state.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-    return CompletionChoice(
+    return CompletionStreamChoice(
         index=index,
-        text=out.text,
+        text=out.text if echo is None else echo.text + out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
-        prompt_token_ids=if_asked(request, call.chunk.prompt_token_ids),
+        # vLLM shows them in each choice's first chunk, always with an echo
+        prompt_token_ids=call.prompt_ids if echo is not None else _first_ids(call),
         token_ids=if_asked(request, out.token_ids),
     )
 
@@ -106,7 +143,7 @@ def _chat_chunk(
         model=model,
         choices=choices,
         usage=usage,
-        prompt_token_ids=if_asked(call.request, call.chunk.prompt_token_ids),
+        prompt_token_ids=_first_ids(call),
     )
 
 
@@ -145,6 +182,8 @@ def _chunk_of(
     for c in chunk.choices:
         check_choice(c, tok, s, whole=False)
     check_prompt_ids(chunk.prompt_token_ids, tok, s)
+    if isinstance(chunk.prompt_logprobs, list):
+        check_prompt_logprobs(chunk.prompt_logprobs, chunk.request_id, tok, s)
     return chunk, (chunk.choices[0] if chunk.choices else None)
 
 
@@ -195,8 +234,9 @@ def derender_stream(
     check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
     opts = ChoiceOptions.of(req.client)
-    state = _stream_state(req.stream_state, tok, opts, prompt_ids or chunk.prompt_token_ids)
-    call = StreamCall(tok, req.client, chunk, state)
+    prompt_ids = prompt_ids or chunk.prompt_token_ids
+    state = _stream_state(req.stream_state, tok, opts, prompt_ids)
+    call = StreamCall(tok, req.client, chunk, state, req.stream_state is None, prompt_ids)
     choices: list[Any] = []
     match = None
     if c is not None:

@@ -4,6 +4,10 @@ A byte-fallback token that decodes alone to U+FFFD is decoded again with up to `
 preceding *sampled* IDs as context (vLLM's `_correct_decoded_token`): the first half of a split
 character reports "" and the token that completes it reports the whole character. The context
 crosses chunk boundaries through `logprob_context_token_ids` in the stream state.
+
+Prompt logprobs get their `decoded_token` the same way, with the preceding prompt tokens as
+context (`decoded_prompt_logprobs`), and completions that echo their prompt show them in
+OpenAI's format ahead of the output's (`prompt_completion_logprobs`).
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from tokenline.shared.wire import (
     CompletionLogprobs,
     GenerateLogProb,
     GenerateLogProbsContent,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 
 REPLACEMENT = "\ufffd"
+FLOOR = -9999.0
+"""What OpenAI's JSON shows for a logprob of -inf (vLLM's clamp)."""
 
 
 def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> str:
@@ -121,3 +129,67 @@ class LogprobResolver:
             offset += len(sampled.token)
             self._advance(e.token_id)
         return out
+
+
+# --------------------------------------------------------------------------- prompt logprobs
+
+
+def decoded_prompt_logprobs(tok: ModelTokenizer, entries: PromptLogprobs) -> PromptLogprobs:
+    """Prompt logprobs as monolithic vLLM shows them: every candidate's `decoded_token` filled
+    (repaired like a sampled token's, with the prompt tokens before it as context) and -inf
+    clamped to -9999.0 (`clamp_prompt_logprobs`).
+
+    vLLM's context is the prompt token (an entry's first key) of each of the last
+    `LOGPROB_CONTEXT` *entries*, the null first one included: so the first prompt token is
+    never context, and the second has none.
+    """
+    out: PromptLogprobs = []
+    for pos, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        window = entries[max(0, pos - LOGPROB_CONTEXT) : pos]
+        context = [next(iter(e)) for e in window if e]
+        out.append(
+            {
+                token_id: PromptLogprob(
+                    logprob=FLOOR if lp.logprob == float("-inf") else lp.logprob,
+                    rank=lp.rank,
+                    decoded_token=decode_token(tok, token_id, context).token,
+                )
+                for token_id, lp in entry.items()
+            }
+        )
+    return out
+
+
+def prompt_completion_logprobs(
+    tok: ModelTokenizer, prompt_ids: Sequence[int], entries: PromptLogprobs, k: int
+) -> CompletionLogprobs:
+    """An echoed prompt in a completion's logprobs (vLLM's `_create_completion_logprobs` over
+    the prompt): `entries` decoded (`decoded_prompt_logprobs`), `k` the request's `logprobs`.
+
+    A position without an entry (the first) shows its token alone with null logprobs; the
+    others show their token and the first `k + 1` candidates (all for -1), keyed by text, so
+    candidates that decode alike collapse into the last one, as in vLLM.
+    """
+    out = CompletionLogprobs()
+    offset = 0
+    for pos, token_id in enumerate(prompt_ids):
+        entry = entries[pos] if pos < len(entries) else None
+        if entry is None:
+            token, logprob, top = tok.decode_one(token_id), None, None
+        else:
+            own = entry[token_id]  # present: a prompt token is its entry's first key
+            token, logprob = own.decoded_token or "", max(own.logprob, FLOOR)
+            top = {
+                (lp.decoded_token or ""): max(lp.logprob, FLOOR)
+                for i, lp in enumerate(entry.values())
+                if k == -1 or i <= k
+            }
+        out.text_offset.append(offset)
+        out.tokens.append(token)
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append(top)
+        offset += len(token)
+    return out

@@ -84,9 +84,15 @@ def chat_logprobs(
 
 
 def completion_logprobs(
-    tok: ModelTokenizer, out: ChoiceOutput, request: CompletionRequest | None
+    tok: ModelTokenizer,
+    out: ChoiceOutput,
+    request: CompletionRequest | None,
+    offset: int | None = None,
 ) -> CompletionLogprobs | None:
+    """`offset`: where the first token's text starts (default: where the output's does, as
+    the stream state says; after an echoed prompt, where that ends)."""
     if out.logprobs is None or (request is not None and request.logprobs is None):
         return None
     k = None if request is None else request.logprobs
-    return LogprobResolver(tok, out.context).completion(out.logprobs, k, out.text_offset)
+    start = out.text_offset if offset is None else offset
+    return LogprobResolver(tok, out.context).completion(out.logprobs, k, start)

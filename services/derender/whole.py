@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from tokenline.services.derender.bounds import (
     DerenderSettings,
@@ -11,6 +12,8 @@ from tokenline.services.derender.bounds import (
     model_name,
 )
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
+from tokenline.services.derender.echo import Echo, chat_echo, chat_role, completion_echo
+from tokenline.services.derender.logprobs import decoded_prompt_logprobs
 from tokenline.services.derender.parts import (
     chat_logprobs,
     completion_logprobs,
@@ -28,9 +31,11 @@ from tokenline.shared.wire import (
     ChatCompletion,
     Completion,
     CompletionChoice,
+    CompletionRequest,
     DerenderChatRequest,
     DerenderCompletionRequest,
     GenerateResponse,
+    PromptLogprobs,
 )
 
 
@@ -47,6 +52,10 @@ def _tokens(outputs: list[tuple[int, ChoiceOutput]]) -> int:
     return sum(len(out.token_ids) for _, out in outputs)
 
 
+def _prompt_logprobs(tok: ModelTokenizer, r: GenerateResponse) -> PromptLogprobs | None:
+    return None if r.prompt_logprobs is None else decoded_prompt_logprobs(tok, r.prompt_logprobs)
+
+
 def derender_chat(
     req: DerenderChatRequest, tok: ModelTokenizer, s: DerenderSettings
 ) -> ChatCompletion:
@@ -61,6 +70,7 @@ def derender_chat(
     prompt_ids = req.prompt_token_ids or resp.prompt_token_ids
     request = req.chat_request
     outputs = _whole_outputs(tok, ChoiceOptions.of(request), resp, prompt_ids)
+    role, echo = chat_role(request), chat_echo(request)
     return ChatCompletion(
         id=resp.request_id,
         created=int(time.time()),
@@ -68,7 +78,7 @@ def derender_chat(
         choices=[
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content=out.text),
+                message=AssistantMessage(role=role, content=echo + out.text),
                 logprobs=chat_logprobs(tok, out, request),
                 finish_reason=out.finish_reason or "stop",
                 stop_reason=out.stop_reason,
@@ -77,6 +87,7 @@ def derender_chat(
             for index, out in outputs
         ],
         usage=usage_of(prompt_count(req.prompt_tokens, resp.usage, prompt_ids), _tokens(outputs)),
+        prompt_logprobs=_prompt_logprobs(tok, resp),
         prompt_token_ids=if_asked(request, prompt_ids),
         kv_transfer_params=resp.kv_transfer_params,
     )
@@ -151,21 +162,19 @@ def derender_completion(
     request, opts = req.completion_request, ChoiceOptions.of(req.completion_request)
     choices: list[CompletionChoice] = []
     prompt_total, completion_total = 0, 0
-    for r, ids, count in _with_prompts(req, responses, tok, s):
+    for p, (r, ids, count) in enumerate(_with_prompts(req, responses, tok, s)):
         prompt_ids = ids or r.prompt_token_ids
         prompt_total += prompt_count(count, r.usage, prompt_ids)
         outputs = _whole_outputs(tok, opts, r, prompt_ids)
         completion_total += _tokens(outputs)
+        prompt_logprobs = _prompt_logprobs(tok, r)
+        prompt = _Prompt(
+            prompt_ids,
+            prompt_logprobs,
+            completion_echo(tok, request, p, prompt_ids, prompt_logprobs),
+        )
         choices += [
-            CompletionChoice(
-                index=len(choices) + i,
-                text=out.text,
-                logprobs=completion_logprobs(tok, out, request),
-                finish_reason=out.finish_reason or "stop",
-                stop_reason=out.stop_reason,
-                prompt_token_ids=if_asked(request, prompt_ids),
-                token_ids=if_asked(request, out.token_ids),
-            )
+            _completion_choice(tok, request, len(choices) + i, out, prompt)
             for i, (_, out) in enumerate(outputs)
         ]
     params = {_freeze(r.kv_transfer_params) for r in responses}
@@ -176,6 +185,38 @@ def derender_completion(
         choices=choices,
         usage=usage_of(prompt_total, completion_total),
         kv_transfer_params=responses[0].kv_transfer_params if len(params) == 1 else None,
+    )
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """What each choice of one prompt shows of it."""
+
+    ids: list[int] | None
+    logprobs: PromptLogprobs | None
+    """Shown on every choice of the prompt (not at the top level, as chat does)."""
+    echo: Echo | None
+
+
+def _completion_choice(
+    tok: ModelTokenizer,
+    request: CompletionRequest | None,
+    index: int,
+    out: ChoiceOutput,
+    prompt: _Prompt,
+) -> CompletionChoice:
+    """One choice of a whole completion; with `echo`, its prompt's text and logprobs first."""
+    echo = prompt.echo
+    logprobs = completion_logprobs(tok, out, request, None if echo is None else echo.end())
+    return CompletionChoice(
+        index=index,
+        text=out.text if echo is None else echo.text + out.text,
+        logprobs=logprobs if echo is None else echo.joined(logprobs),
+        finish_reason=out.finish_reason or "stop",
+        stop_reason=out.stop_reason,
+        prompt_token_ids=if_asked(request, prompt.ids),
+        token_ids=if_asked(request, out.token_ids),
+        prompt_logprobs=prompt.logprobs,
     )
 
 

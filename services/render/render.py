@@ -94,8 +94,6 @@ def _common_checks(request: SamplingFields) -> None:
         raise BadRequest(
             "Beam search is not supported by the render endpoint", param="use_beam_search"
         )
-    if request.echo:
-        raise BadRequest("echo is not supported by tokenline", param="echo")
     if request.stream_options is not None and not request.stream:
         raise BadRequest(
             "Stream options can only be defined when `stream=True`.", param="stream_options"

@@ -21,12 +21,13 @@ from tokenline.proxy.flow import (
     generate_chunk,
     merge_chunks,
     prefill_request,
+    prompt_request,
     public_id,
     retry_id,
     whole_derender_body,
 )
 from tokenline.shared.errors import UpstreamError
-from tokenline.shared.kinds import CHAT, COMPLETION, DERENDER_READS
+from tokenline.shared.kinds import CHAT, COMPLETION, DERENDER_FIRST_READS, DERENDER_READS
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     CHAT_REQUEST,
@@ -42,6 +43,7 @@ from tokenline.shared.wire import (
     GenerateResponse,
     GenerateStreamChoice,
     GenerateStreamChunk,
+    PromptLogprob,
     SamplingParams,
     StopMatch,
 )
@@ -226,7 +228,8 @@ def test_usage_final_and_continuous() -> None:
     final = flow.final_chunk()
     assert final is not None and final["object"] == "chat.completion.chunk"
     usage = final["usage"]
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (6, 4, 10)
+    # as vLLM's usage chunk: nulls left out
+    assert usage == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
     assert stream_flow().final_chunk() is None
     continuous = stream_flow(
         n=1,
@@ -271,4 +274,81 @@ def test_derender_reads_no_client_field_the_view_leaves_out() -> None:
             ):
                 read.add(node.attr)
     read -= {"app", "match_info", "headers", "read", "content_type"}  # aiohttp's request
-    assert read and read <= set(DERENDER_READS), read - set(DERENDER_READS)
+    carried = {*DERENDER_READS, *DERENDER_FIRST_READS}
+    assert read and read <= carried, read - carried
+
+
+# --------------------------------------------------------------------------- echo, prompt logprobs
+
+
+def test_the_prompt_leg_asks_one_token_and_the_prompt_logprobs_only() -> None:
+    g = gen("r-0", n=3, logprobs=2, prompt_logprobs=2, min_tokens=5, seed=1)
+    leg = prompt_request(g)
+    assert leg.sampling_params == SamplingParams(max_tokens=1, prompt_logprobs=2, detokenize=False)
+    assert leg.request_id == "r-0-prompt" and leg.token_ids == g.token_ids
+    assert not leg.stream and leg.kv_transfer_params is None
+
+
+def completion_flow(body: str, prompts: int = 2, n: int = 1) -> StreamFlow:
+    client = COMPLETION_REQUEST.decode(body.encode())
+    return StreamFlow(
+        COMPLETION, client, Rendered.of([gen(f"c-{p}", n=n) for p in range(prompts)], "x")
+    )
+
+
+def test_an_echoing_choice_carries_its_own_prompt_in_its_first_call_only() -> None:
+    flow = completion_flow('{"prompt": ["first", [5, 6]], "echo": true, "stream": true}')
+    assert flow.first_views[0].request.prompt == "first"
+    assert flow.first_views[1].request.prompt == [5, 6]
+    c = chunk(0, [7])
+    first = flow.call(1, c)
+    assert first is not None and COMPLETION_REQUEST.decode(first.client_raw).prompt == [5, 6]
+    flow.accept(1, c, answer(1, "x"))
+    later = flow.call(1, chunk(0, [8]))
+    assert later is not None and later.client_raw == flow.view.raw  # the stub again
+    assert flow.view.request.prompt == "" and flow.view.request.echo
+
+
+def test_without_echo_every_call_carries_the_one_view() -> None:
+    flow = completion_flow('{"prompt": ["a", "b"], "stream": true, "logprobs": 1}')
+    assert all(v is flow.view for v in flow.first_views)
+    assert not flow.needs_prompt_logprobs()
+    chat = stream_flow(n=1, prompts=1)
+    assert chat.first_views == [chat.view]
+
+
+def test_a_chat_first_call_carries_the_last_message_when_role_or_echo_need_it() -> None:
+    history = '[{"role": "user", "content": "q"}, {"role": "assistant", "content": "So"}]'
+    for extra, content in (
+        (', "echo": true', "So"),
+        (', "add_generation_prompt": false', None),
+    ):
+        body = '{"messages": ' + history + ', "stream": true' + extra + "}"
+        flow = StreamFlow(CHAT, CHAT_REQUEST.decode(body.encode()), Rendered.of([gen()], "n"))
+        (message,) = flow.first_views[0].request.messages
+        assert (message.role, message.content) == ("assistant", content)
+        assert flow.view.request.messages[0].content == ""  # later calls: the stub
+
+
+def test_prompt_logprobs_ride_on_the_first_chunk_of_each_choice() -> None:
+    flow = completion_flow(
+        '{"prompt": "p", "echo": true, "logprobs": 0, "stream": true}', prompts=1, n=2
+    )
+    assert flow.needs_prompt_logprobs()
+    entries: list[dict[int, PromptLogprob] | None] = [None, {2: PromptLogprob(logprob=-1.0)}]
+    flow.prompt_logprobs[0] = entries
+    for index in (0, 1):
+        c = chunk(index, [7])
+        call = flow.call(0, c)
+        assert call is not None and call.chunk.prompt_logprobs == entries
+        flow.accept(0, c, answer(1, "x", index=index))
+        later = flow.call(0, chunk(index, [8]))
+        assert later is not None and later.chunk.prompt_logprobs is msgspec.UNSET
+    # a chunk without them costs no byte more on the wire
+    assert b"prompt_logprobs" not in msgspec.json.encode(chunk(0, [1]))
+    chat = StreamFlow(
+        CHAT,
+        CHAT_REQUEST.decode(b'{"messages": [{"role": "user", "content": "q"}], "echo": true}'),
+        Rendered.of([gen()], "n"),
+    )
+    assert not chat.needs_prompt_logprobs()  # a chat stream echoes text only
