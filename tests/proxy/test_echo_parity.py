@@ -36,6 +36,9 @@ COMPLETION_ECHO: list[dict[str, Any]] = [
     {"prompt": [[42, 75], [67, 68, 69]], **GREEDY},
     {"prompt": TEXTS[3], **SAMPLED},
     {"prompt": TEXTS[2], "logprobs": 1, "return_token_ids": True, **GREEDY},
+    # vLLM echoes the prompt as sent, the logprobs of the tokens kept
+    {"prompt": UNICODE, "truncate_prompt_tokens": 6, "logprobs": 1, **GREEDY},
+    {"prompt": [1, 42, 75, 299, 2, 90], "truncate_prompt_tokens": 3, "logprobs": 0, **GREEDY},
 ]
 SAMPLED_LOGPROBS: dict[str, Any] = {"prompt": TEXTS[5], "logprobs": 2, **SAMPLED}
 """Streamed, monolithic vLLM fails this one mid-stream (an internal error naming a prompt
