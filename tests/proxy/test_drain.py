@@ -134,3 +134,26 @@ async def test_after_the_deadline_a_stream_is_cut_and_aborted_upstream(
         assert decode.aborted_ids and decode.cancelled_at is not None
     finally:
         proxy.stop()
+
+
+async def test_a_second_signal_cuts_the_drain_short(
+    tiers: Tiers, engine_of: list[TestServer]
+) -> None:
+    decode = EndlessDecode(interval=0.02)
+    proxy = await start_proxy("drain-twice", tiers, await serve(decode, engine_of), 60)
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proxy.url + "/v1/chat/completions", json=BODY) as stream,
+        ):
+            await stream.content.readline()
+            terminate(proxy)
+            await asyncio.sleep(0.5)
+            terminate(proxy)
+            signalled = time.monotonic()
+            await read_until_cut(stream)
+            assert time.monotonic() - signalled < CUT_GRACE + 1.0
+        assert await exit_code(proxy) == 0
+        assert decode.aborted_ids
+    finally:
+        proxy.stop()
