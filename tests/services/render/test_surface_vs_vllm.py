@@ -48,7 +48,6 @@ CHAT_CASES: list[dict[str, Any]] = [
     {"prompt_logprobs": -1},
     {"prompt_logprobs": 3, "stream": True},  # refused
     {"prompt_logprobs": 0, "stream": True},
-    {"prompt_logprobs": 50},  # refused: above max logprobs
     {"echo": True, "logprobs": True, "top_logprobs": 2},
     {"bad_words": ["hello", "there"]},
     {"bad_words": []},
@@ -116,3 +115,14 @@ async def test_surface_renders_like_vllm(
             except AssertionError as exc:
                 problems.append(f"{case}: rendered differently: {exc}")
     assert problems == []
+
+
+@pytest.mark.parametrize("served", ["tiny"])
+async def test_prompt_logprobs_beyond_the_engines_maximum_are_refused_by_render(
+    render_client: TestClient, served: str
+) -> None:
+    """vLLM's render passes 50 on and its engine refuses it; tokenline refuses it first."""
+    sent = body("chat", "tiny", {"prompt_logprobs": 50})
+    resp = await render_client.post("/v1/chat/completions/render", json=sent)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "prompt_logprobs"
