@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import signal
@@ -136,7 +137,7 @@ def derender_transport(
 def generate_key(pools: Sequence[Pool], key: str | None) -> list[ClientMiddlewareType]:
     """The client middleware that sends `Authorization: Bearer <key>` with every call to a
     replica of `pools` (generate's, health checks and aborts included), and only to them:
-    render and derender never see the key. None without a key."""
+    render and derender never see the key. No middleware without a key."""
     if not key:
         return []
     bearer = f"Bearer {key}"
@@ -145,11 +146,17 @@ def generate_key(pools: Sequence[Pool], key: str | None) -> list[ClientMiddlewar
         request: aiohttp.ClientRequest, handler: ClientHandlerType
     ) -> aiohttp.ClientResponse:
         origin = request.url.origin()
-        if any(URL(w.url).origin() == origin for pool in pools for w in pool.workers):
+        if any(_origin(w.url) == origin for pool in pools for w in pool.workers):
             request.headers[hdrs.AUTHORIZATION] = bearer
         return await handler(request)
 
     return [authorized]
+
+
+@functools.lru_cache(maxsize=1024)
+def _origin(url: str) -> URL:
+    """A replica URL's scheme, host and port (cached: derender calls run this per chunk)."""
+    return URL(url).origin()
 
 
 async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
