@@ -60,10 +60,13 @@ class Qwen3(Leaf[Qwen3State]):
         at = track(state.spans, len(text), tokens) - len(state.held)
         if state.phase == "raw":
             state.raw_sent |= bool(text)
-            return [Content(text, tokens_of(state.spans, at, at + len(text)))] if text else []
+            piece = Content(text, tokens_of(state.spans, at, at + len(text)))
+            release(state.spans, state.spans.total)
+            return [piece] if text else []
         lexemes, state.held = lex(state.held + text, literals(self.options.special_tokens), False)
+        out = coalesce([p for lexeme in lexemes for p in self._on(lexeme, at)])
         release(state.spans, state.spans.total - len(state.held))
-        return coalesce([p for lexeme in lexemes for p in self._on(lexeme, at)])
+        return out
 
     def flush(self) -> list[Piece]:
         state = self.state
