@@ -135,10 +135,7 @@ class Process:
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = 30.0) -> None:
         """Signal the whole process group; SIGKILL it if it is still up after `grace` s."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is not None:
-            self.reap()
+        if self.proc is None or self.proc.poll() is not None:
             return
         try:
             os.killpg(self.proc.pid, sig)
@@ -151,7 +148,9 @@ class Process:
 
     def reap(self) -> None:
         """SIGKILL what is left of an exited child's process group (a vLLM engine core,
-        derender's worker processes), so a restart finds its ports and memory free."""
+        derender's worker processes), so a restart finds its ports and memory free. Call it
+        as soon as the exit is seen: the group's number is the dead child's pid, which the
+        system may give to a new process later."""
         if self.proc is None or self.proc.poll() is None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
