@@ -341,6 +341,8 @@ class ChoiceProgress:
     finished: bool = False
     stopped_early: bool = False
     """A stop string ended it before the engine did: the engine request must be aborted."""
+    generated: list[int] = field(default_factory=list)
+    """The engine's output so far: what a migration continues from (`proxy/migration.py`)."""
 
 
 @dataclass(frozen=True)
@@ -413,6 +415,7 @@ class StreamFlow:
         """Derender's answer to `call(p, chunk)`: the chunk for the client, if it has choices."""
         choice = chunk.choices[0]
         prog = self.progress[(p, choice.index)]
+        prog.generated += choice.token_ids or ()
         prog.state = answer.stream_state
         prog.unsent_tokens += answer.stream_state.completion_tokens - prog.completion_tokens
         prog.completion_tokens = answer.stream_state.completion_tokens
@@ -431,6 +434,11 @@ class StreamFlow:
 
     def emitted(self, p: int) -> bool:
         return any(q == p and s.state is not None for (q, _), s in self.progress.items())
+
+    def generated(self, p: int) -> list[int]:
+        """Prompt `p`'s output so far (its one choice: only one-choice streams migrate)."""
+        prog = self.progress.get((p, 0))
+        return [] if prog is None else prog.generated
 
     def prompt_done(self, p: int) -> bool:
         states = [self.progress.get((p, i)) for i in range(self.n)]

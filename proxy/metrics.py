@@ -56,6 +56,9 @@ class ProxyMetrics(ServiceMetrics):
         self.retries = self.counter(
             "request_retries", "Whole requests retried after a decode leg failed behind a prefill"
         )
+        self.migrations = self.counter(
+            "migrations", "Streams continued on another decode replica after theirs failed"
+        )
 
     async def timed(self, hop: str, call: Awaitable[T]) -> T:
         """`call`, its latency observed under `hop`."""

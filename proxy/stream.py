@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +32,14 @@ from tokenline.proxy.flow import (
     whole_derender_body,
 )
 from tokenline.proxy.hops import Hops, Prefilled
+from tokenline.proxy.migration import MAX_MIGRATIONS, continuation, why_not
 from tokenline.proxy.pool import Worker
-from tokenline.shared.errors import ServiceError, UpstreamError, as_service_error
+from tokenline.shared.errors import (
+    ServiceError,
+    UpstreamError,
+    UpstreamRejected,
+    as_service_error,
+)
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import (
     JSON,
@@ -42,6 +49,7 @@ from tokenline.shared.wire import (
     PromptLogprobs,
 )
 
+log = logging.getLogger(__name__)
 QUEUE_LIMIT = 65536  # generate chunks buffered per prompt before the request is failed
 OUT_BUFFER = 64  # client chunks ready ahead of the client (backpressure beyond)
 Outgoing = ClientChunk | dict[str, Any]
@@ -123,8 +131,48 @@ class Streaming:
                 self.flow.prompt_logprobs[p] = await self._prompt_logprobs(g, pre, exclude)
             await self._decode(p, g, pre.kv, exclude)
 
-        await self.hops.behind_prefill(
-            gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)
+        try:
+            await self.hops.behind_prefill(
+                gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)
+            )
+        except ServiceError as exc:
+            await self._migrate(p, gen, exc)
+
+    async def _migrate(self, p: int, gen: GenerateRequest, exc: ServiceError) -> None:
+        """Continue prompt `p` on another decode replica after its own failed mid-stream
+        (`proxy/migration.py`), at most `MAX_MIGRATIONS` times; otherwise re-raise `exc`."""
+        tried: list[Worker] = []
+        for attempt in range(1, MAX_MIGRATIONS + 1):
+            failed = exc.replica
+            if not self._may_migrate(p, gen, exc) or not isinstance(failed, Worker):
+                raise exc
+            tried.append(failed)
+            log.warning(
+                "stream.migrate request_id=%s from=%s after=%d tokens: %s",
+                gen.request_id, failed.url, len(self.flow.generated(p)), exc.message,
+            )  # fmt: skip
+            self.hops.metrics.migrations.inc()
+            more = continuation(gen, self.flow.generated(p), attempt)
+            more = msgspec.structs.replace(more, return_token_ids=None)  # sent already
+            try:
+                await self._decode(p, more, None, tried)
+                return
+            except ServiceError as again:
+                exc, gen = again, more
+        raise exc
+
+    def _may_migrate(self, p: int, gen: GenerateRequest, exc: ServiceError) -> bool:
+        """A decode replica's fault (not the request's, not another hop's), after output went
+        out (before it, `behind_prefill` already ran the request once more), for a request
+        that continues exactly, with a healthy replica left."""
+        decode = self.hops.pools.decode
+        return (
+            self.flow.emitted(p)
+            and not self.flow.prompt_done(p)
+            and not isinstance(exc, UpstreamRejected)
+            and exc.replica in decode.workers
+            and why_not(gen) is None
+            and any(w is not exc.replica for w in decode.healthy())
         )
 
     async def _prompt_logprobs(

@@ -23,6 +23,7 @@ from tokenline.launch.process import Process, wait_all
 
 ROOT = str(Path(__file__).resolve().parents[2])
 API_KEY = "rehearsal-key"
+GENERATE_KEY = "rehearsal-generate-key"
 RESOLVE_INTERVAL = 10.0  # the proxy's (ProxyConfig.resolve_interval)
 REPLICAS = {"generate-prefill": 1, "generate-decode": 2, "render": 2, "derender": 2, "proxy": 1}
 # Test-only settings on top of compose's: health checks and stream limits in seconds, so a
@@ -89,7 +90,7 @@ class Rehearsal:
 
 @pytest.fixture(scope="module")
 def rehearsal(tiny_model: Path) -> Iterator[Rehearsal]:
-    variables = {"TOKENLINE_API_KEY": API_KEY}
+    variables = {"TOKENLINE_API_KEY": API_KEY, "TOKENLINE_GENERATE_API_KEY": GENERATE_KEY}
     with network() as net:
         r = Rehearsal(net, services(str(tiny_model), "tiny", variables))
         backends = [

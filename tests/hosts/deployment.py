@@ -30,7 +30,8 @@ from tokenline.services.generate.launcher import (
 )
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
-VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?::?-([^}]*))?\}")
+"""compose's interpolation: `$$` is a literal `$`, `${NAME}` / `${NAME:-default}` a value."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,18 @@ class ServiceSpec:
 def interpolate(value: Any, variables: Mapping[str, str]) -> Any:
     """compose's `${NAME}` / `${NAME:-default}` in every string of `value`."""
     if isinstance(value, str):
-        return VARIABLE.sub(lambda m: variables.get(m.group(1)) or m.group(2) or "", value)
+        return VARIABLE.sub(lambda m: _value(m, variables), value)
     if isinstance(value, list):
         return [interpolate(v, variables) for v in value]
     if isinstance(value, dict):
         return {k: interpolate(v, variables) for k, v in value.items()}
     return value
+
+
+def _value(match: re.Match[str], variables: Mapping[str, str]) -> str:
+    if match.group(0) == "$$":
+        return "$"
+    return variables.get(match.group(1)) or match.group(2) or ""
 
 
 def load(variables: Mapping[str, str], path: Path = COMPOSE) -> dict[str, Any]:
@@ -107,7 +114,9 @@ def services(model: str, served: str, variables: Mapping[str, str] = {}) -> dict
             if argv[:2] == ["vllm", "serve"]:
                 argv = [vllm_executable(), "serve", *argv[2:]]
             argv, cpu = cpu_engine(argv, model)
-            env = cpu | env
+            # the image's `vllm` on PATH: this venv's
+            path = f"{Path(vllm_executable()).parent}:{os.environ.get('PATH', '')}"
+            env = cpu | env | {"PATH": path}
         else:
             argv = child_argv(*argv)
         found[name] = ServiceSpec(name, argv, {**os.environ, **env}, _listening_port(argv, env))

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,16 +26,18 @@ from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.process import Process
 
 KV_MOVED = ("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
-BASELINE: dict[int, str] = {}
+BASELINE: dict[tuple[int, int], str] = {}
+SHORT, LONG = 48, 400
 
 
-def body(i: int) -> dict[str, Any]:
+def body(i: int, max_tokens: int = SHORT) -> dict[str, Any]:
     return {
         "model": "tiny",
         "messages": [{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}],
-        "max_tokens": 48,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
 
 
@@ -54,11 +58,12 @@ class Report:
         return line
 
 
-async def stream(session: aiohttp.ClientSession, url: str, i: int) -> str:
-    """One greedy stream's text; an HTTP or in-band error raises."""
+async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int = SHORT) -> str:
+    """One greedy stream's text and usage; an HTTP or in-band error raises."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    text = []
-    async with session.post(url + "/v1/chat/completions", json=body(i), headers=headers) as resp:
+    text, usage = [], None
+    sent = body(i, max_tokens)
+    async with session.post(url + "/v1/chat/completions", json=sent, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{resp.status}: {await resp.text()}")
         async for line in resp.content:
@@ -68,7 +73,8 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int) -> str:
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             text += [c["delta"].get("content") or "" for c in chunk["choices"]]
-    return "".join(text)
+            usage = chunk.get("usage") or usage
+    return json.dumps({"text": "".join(text), "usage": usage})
 
 
 async def workload(
@@ -76,6 +82,7 @@ async def workload(
     count: int,
     fault: Callable[[], Awaitable[None]] | None = None,
     spacing: float = 0.05,
+    max_tokens: int = SHORT,
 ) -> Report:
     """`count` streams started `spacing` s apart, `fault` run once a third have started."""
     report = Report()
@@ -85,13 +92,13 @@ async def workload(
         async def one(i: int) -> None:
             report.started += 1
             try:
-                text = await stream(session, r.proxy.url, i)
+                text = await stream(session, r.proxy.url, i, max_tokens)
             except Exception as exc:  # a failed stream is a data point, not a test error
                 report.errored += 1
                 report.errors.append(repr(exc)[:300])
                 return
             report.completed += 1
-            report.identical += BASELINE.get(i) == text
+            report.identical += BASELINE.get((i, max_tokens)) == text
 
         tasks = []
         for i in range(count):
@@ -102,6 +109,16 @@ async def workload(
             await asyncio.sleep(spacing)
         await asyncio.gather(*tasks)
     return report
+
+
+def proxy_metric(r: Rehearsal, name: str) -> float:
+    """A metric of the proxy (closed: its /metrics wants the key like every other path)."""
+    request = urllib.request.Request(
+        r.proxy.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
 
 
 def work_done(r: Rehearsal, host: Host) -> float:
@@ -122,7 +139,7 @@ async def test_baseline_and_pd_moves_kv_between_hosts(rehearsal: Rehearsal) -> N
     moved = sum(engine_metric(d, *KV_MOVED) for d in decodes)
     async with aiohttp.ClientSession() as session:
         for i in range(12):  # one at a time: the reference texts
-            BASELINE[i] = await stream(session, rehearsal.proxy.url, i)
+            BASELINE[i, SHORT] = await stream(session, rehearsal.proxy.url, i)
     report = await workload(rehearsal, 12)
     report.show("P/D across hosts")
     assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
@@ -196,3 +213,23 @@ async def test_a_slow_link_on_each_tier_loses_nothing(rehearsal: Rehearsal, serv
     assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
     # only the relay reaches it now (its own address is out of DNS): traffic took the slow link
     assert work_done(rehearsal, target) > before
+
+
+async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehearsal) -> None:
+    """SIGKILL of one of the two decode engines while long streams run on both: every affected
+    stream continues on the other one, identical to an unbroken run, usage counted once.
+    (Last in the module: the killed engine stays dead.)"""
+    async with aiohttp.ClientSession() as session:
+        for i in range(6):
+            BASELINE[i, LONG] = await stream(session, rehearsal.proxy.url, i, LONG)
+    victim = rehearsal.processes["generate-decode-0"]
+    before = proxy_metric(rehearsal, "tokenline_proxy_migrations_total")
+
+    async def kill() -> None:
+        await asyncio.sleep(1.0)  # well into the streams
+        victim.stop(signal.SIGKILL)
+
+    report = await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG)
+    report.show("SIGKILL of generate-decode-0")
+    assert (report.completed, report.identical, report.errored) == (6, 6, 0), report.errors
+    assert proxy_metric(rehearsal, "tokenline_proxy_migrations_total") > before
