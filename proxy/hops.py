@@ -24,7 +24,13 @@ from tokenline.proxy.pool import Pool, Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
-from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamFailed, UpstreamRejected
+from tokenline.shared.errors import (
+    ServiceError,
+    UpstreamError,
+    UpstreamFailed,
+    UpstreamRejected,
+    UpstreamUnavailable,
+)
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import (
     GENERATE_RESPONSE,
@@ -235,10 +241,22 @@ class Hops:
 async def _reported(
     pool: Pool, worker: Worker, source: AsyncIterator[bytes]
 ) -> AsyncIterator[bytes]:
-    """`source`, its outcome reported to the pool (a stream left early reports nothing)."""
+    """`source`, its outcome reported to the pool (a stream left early reports nothing), given
+    up as soon as `worker` leaves the rotation (a partitioned host's stream would otherwise sit
+    out the idle timeout before the stream can migrate)."""
     with reported(pool, worker):
-        async for payload in source:
-            yield payload
+        try:
+            async with asyncio.timeout(None) as watch:
+                worker.watching.add(watch)
+                try:
+                    async for payload in source:
+                        yield payload
+                finally:
+                    worker.watching.discard(watch)
+        except TimeoutError:
+            if not watch.expired():
+                raise
+            raise UpstreamUnavailable(f"decode {worker.url} left the rotation mid-stream") from None
 
 
 def _own_fault(exc: ServiceError) -> bool:

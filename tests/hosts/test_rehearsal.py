@@ -159,12 +159,9 @@ async def test_a_partitioned_host_loses_no_stream(rehearsal: Rehearsal, service:
     finally:
         host.partition(cut=False)
     report.show(f"partition of {host.name}")
-    if service == "generate-decode":
-        # streams already on the cut engine cannot be finished there; new ones go elsewhere
-        assert report.started == 12 and report.completed >= 8, report.errors
-        assert report.identical == report.completed
-    else:
-        assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    # render and derender calls on the cut host are given up as soon as its health checks
+    # fail and retried on the other replica; decode streams migrate to the other engine
+    assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
     await _until_serving(rehearsal, service, len(rehearsal.hosts[service]))
 
 
