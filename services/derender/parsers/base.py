@@ -45,7 +45,8 @@ class ParserOptions:
     think_window: int = 32
     """deepseek_r1: how far into the output a `<think>` still counts as the opener."""
     content_lookahead: int = 256
-    """qwen3_coder: content held while its leading whitespace may still be stripped."""
+    """Content held while vLLM may still strip its whitespace (qwen3_coder: content starting
+    with whitespace; hermes: whitespace-only content) before it is sent as it is."""
     max_held: int = MAX_HELD
     new_id: Callable[[], str] = make_tool_call_id
 

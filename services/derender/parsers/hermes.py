@@ -9,9 +9,10 @@ dropped. If any call fails, there are no calls and T, markup included, is conten
 
 Since one bad call turns every call into content, nothing from the first `<tool_call>` on can be
 sent before the stream ends: that region is held and decided by `flush`, which emits each call
-as one whole delta. Content before it streams as it comes (whitespace alone waits, since it
-vanishes when calls follow). Held: the region, up to `max_held` characters
-(`ParserLimitExceeded` beyond), or a partial `<tool_call>` and leading whitespace.
+as one whole delta. Content before it streams as it comes, except whitespace alone, which waits
+since it vanishes when calls follow (up to `content_lookahead` characters, then it is sent: the
+one divergence). Held: the region, up to `max_held` characters (`ParserLimitExceeded` beyond),
+or a partial `<tool_call>` and that leading whitespace.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Hermes(Leaf[HermesState]):
     def _content(self, body: str, at: int) -> list[Piece]:
         state = self.state
         text = state.lead + body
-        if not state.sent and not text.strip():
+        if not state.sent and not text.strip() and len(text) <= self.options.content_lookahead:
             state.lead = text
             return []
         state.lead, state.sent = "", True

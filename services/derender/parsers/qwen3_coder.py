@@ -14,8 +14,8 @@ Streaming that answer exactly:
   that region, up to `max_held` characters (`ParserLimitExceeded` beyond).
 
 Combined with a reasoning parser that is not engine-based (deepseek_r1), vLLM returns the content
-untouched when no call stands (`legacy`): content then streams raw, so special tokens in it
-are not dropped even when calls follow (vLLM would drop them then).
+untouched when no call stands (`legacy`): content then streams raw, so special tokens and
+`</think>` in it stay even when calls follow (vLLM would drop them then).
 """
 
 from __future__ import annotations
