@@ -41,10 +41,12 @@ def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
 
     from tokenline.proxy.app import serve
     from tokenline.proxy.config import from_args
+    from tokenline.shared.http import new_loop
 
     config = from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve(config))  # its own signal handling: SIGTERM drains (proxy/app.py)
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(serve(config))  # its own signal handling: SIGTERM drains (proxy/app.py)
     return 0
 
 

@@ -46,6 +46,11 @@ def sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+def events(chunks: list[Any]) -> bytes:
+    """Chunks as consecutive SSE events."""
+    return b"".join(b"data: " + JSON.encode(c) + b"\n\n" for c in chunks)
+
+
 def hop_headers(request: web.Request) -> HopHeaders:
     return HopHeaders(
         request_id=request.headers.get("X-Request-Id"),
@@ -94,12 +99,13 @@ async def _admitted(
 
 
 async def event_stream(
-    request: web.Request, chunks: AsyncGenerator[Any, None]
+    request: web.Request, batches: AsyncGenerator[list[Any], None]
 ) -> web.StreamResponse:
-    """`chunks` as SSE. A failure before the first chunk raises (an HTTP error); after it,
-    the error goes in-band as an event. `[DONE]` ends every stream that started."""
-    async with contextlib.aclosing(chunks):
-        first = await anext(chunks, None)
+    """`batches` of chunks as SSE, one write per batch. A failure before the first batch
+    raises (an HTTP error); after it, the error goes in-band as an event. `[DONE]` ends every
+    stream that started."""
+    async with contextlib.aclosing(batches):
+        first = await anext(batches, None)
         headers = dict(SSE_HEADERS)
         if rid := request.headers.get("X-Request-Id"):
             headers["X-Request-Id"] = rid
@@ -107,9 +113,9 @@ async def event_stream(
         await response.prepare(request)
         try:
             if first is not None:
-                await response.write(sse(JSON.encode(first)))
-            async for chunk in chunks:
-                await response.write(sse(JSON.encode(chunk)))
+                await response.write(events(first))
+            async for batch in batches:
+                await response.write(events(batch))
         except Exception as exc:  # after the first byte, any failure ends the stream in-band
             await response.write(sse(JSON.encode(as_service_error(exc).to_wire())))
         await response.write(DONE)

@@ -98,21 +98,33 @@ class Streaming:
     started: float = field(default_factory=time.perf_counter)
     last_sent: float | None = None
 
-    async def chunks(self) -> AsyncGenerator[Outgoing, None]:
-        """The client's chunks in order, then the usage chunk if asked for; raises the first
-        failure. Closing it early cancels every prompt's task (which aborts its engine run)."""
+    async def chunks(self) -> AsyncGenerator[list[Outgoing], None]:
+        """The client's chunks in order, in batches of every chunk ready at once (one write to
+        the client each), then the usage chunk if asked for; raises the first failure. Closing
+        it early cancels every prompt's task (which aborts its engine run)."""
         producer = asyncio.create_task(self._produce())
         try:
-            while not isinstance(item := await self.out.get(), _End):
-                yield item
-            if item.error is not None:
-                raise item.error
+            end = None
+            while end is None:
+                batch, end = await self._ready()
+                if batch:
+                    yield batch
+            if end.error is not None:
+                raise end.error
             if (final := self.flow.final_chunk()) is not None:
-                yield final
+                yield [final]
         finally:
             producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await producer
+
+    async def _ready(self) -> tuple[list[Outgoing], _End | None]:
+        """Every chunk ready now (waiting for the first), and the end if it came."""
+        items = [await self.out.get()]
+        while not self.out.empty():
+            items.append(self.out.get_nowait())
+        end = items[-1] if isinstance(items[-1], _End) else None
+        return [i for i in items if not isinstance(i, _End)], end
 
     async def _produce(self) -> None:
         error: ServiceError | None = None

@@ -5,12 +5,14 @@ Nothing here knows about a particular hop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import uvloop
 from aiohttp import web
 
 from tokenline.shared.errors import BadRequest, ServiceError, as_service_error
@@ -79,7 +81,14 @@ def run(app: web.Application, host: str, port: int, reuse_port: bool = False) ->
         print=None,
         access_log=None,
         reuse_port=reuse_port or None,
+        loop=new_loop(),
     )
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """Every service's event loop: uvloop (libuv), which spends less CPU per socket event
+    than asyncio's own loop on the per-chunk hops."""
+    return uvloop.new_event_loop()
 
 
 def run_processes(make: Callable[[], web.Application], host: str, port: int, n: int) -> None:
