@@ -212,6 +212,26 @@ async def test_a_slow_link_on_each_tier_loses_nothing(rehearsal: Rehearsal, serv
     assert work_done(rehearsal, target) > before
 
 
+@pytest.mark.parametrize("victim", ["render-1", "derender-1", "generate-prefill-0"])
+async def test_a_dead_replica_loses_nothing(rehearsal: Rehearsal, victim: str) -> None:
+    """SIGKILL of a render or derender replica, or of the only prefill engine, under load:
+    calls on it go to the other replica (render, derender: pure hops) or decode-only (prefill),
+    and every stream finishes identical. The replica is started again afterwards."""
+    process = rehearsal.processes[victim]
+
+    async def kill() -> None:
+        process.stop(signal.SIGKILL)
+
+    try:
+        report = await workload(rehearsal, 12, kill)
+    finally:
+        await asyncio.to_thread(lambda: process.start().wait_healthy(600))
+    report.show(f"SIGKILL of {victim}")
+    assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
+    service = victim.rsplit("-", 1)[0]
+    await _until_serving(rehearsal, service, len(rehearsal.hosts[service]), within=60)
+
+
 async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehearsal) -> None:
     """SIGKILL of one of the two decode engines while long streams run on both: every affected
     stream continues on the other one, identical to an unbroken run, usage counted once.
