@@ -21,7 +21,7 @@ from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
+from tokenline.proxy.retry import RetryPolicy, given_up_if_gone, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
 from tokenline.shared.errors import (
@@ -29,7 +29,6 @@ from tokenline.shared.errors import (
     UpstreamError,
     UpstreamFailed,
     UpstreamRejected,
-    UpstreamUnavailable,
 )
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import (
@@ -245,18 +244,9 @@ async def _reported(
     up as soon as `worker` leaves the rotation (a partitioned host's stream would otherwise sit
     out the idle timeout before the stream can migrate)."""
     with reported(pool, worker):
-        try:
-            async with asyncio.timeout(None) as watch:
-                worker.watching.add(watch)
-                try:
-                    async for payload in source:
-                        yield payload
-                finally:
-                    worker.watching.discard(watch)
-        except TimeoutError:
-            if not watch.expired():
-                raise
-            raise UpstreamUnavailable(f"decode {worker.url} left the rotation mid-stream") from None
+        async with given_up_if_gone(pool.role, worker, "stream"):
+            async for payload in source:
+                yield payload
 
 
 def _own_fault(exc: ServiceError) -> bool:

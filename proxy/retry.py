@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -69,20 +69,28 @@ def _gone(exc: ServiceError) -> bool:
     return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
 
 
-async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], Awaitable[T]]) -> T:
-    """`call(worker)`, given up with `UpstreamUnavailable` if `worker` leaves the rotation
-    meanwhile (a partitioned host: its health checks fail long before a call's timeout)."""
+@contextlib.asynccontextmanager
+async def given_up_if_gone(role: str, worker: Worker, what: str) -> AsyncIterator[None]:
+    """The block, given up with `UpstreamUnavailable` as soon as `worker` leaves the rotation
+    (a partitioned host: its health checks fail long before a call's timeout)."""
     try:
         async with asyncio.timeout(None) as watch:
             worker.watching.add(watch)
             try:
-                return await call(worker)
+                yield
             finally:
                 worker.watching.discard(watch)
     except TimeoutError:
         if not watch.expired():
             raise
-        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-call") from None
+        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-{what}") from None
+
+
+async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], Awaitable[T]]) -> T:
+    """`call(worker)`, given up if `worker` leaves the rotation meanwhile."""
+    async with given_up_if_gone(role, worker, "call"):
+        answer = await call(worker)
+    return answer
 
 
 async def on_replicas(
