@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenline.shared.http import run
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -110,14 +112,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tokens-per-second", type=float, default=1000.0)
     args = parser.parse_args()
-    web.run_app(
-        make_app(args.vocab, args.tokens_per_second),
-        host="127.0.0.1",
-        port=args.port,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-    )
+    run(make_app(args.vocab, args.tokens_per_second), "127.0.0.1", args.port)
 
 
 if __name__ == "__main__":

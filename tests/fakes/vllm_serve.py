@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from aiohttp import web
-
 from tokenline.launch.bench.double import make_app
+from tokenline.shared.http import run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,14 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args, _ = parser.parse_known_args(argv)
-    web.run_app(
-        make_app(vocab=4096, tokens_per_second=200.0),
-        host=args.host,
-        port=args.port,
-        print=None,
-        access_log=None,
-        handler_cancellation=True,
-    )
+    run(make_app(vocab=4096, tokens_per_second=200.0), args.host, args.port)
 
 
 if __name__ == "__main__":
