@@ -189,6 +189,8 @@ class FunctionDefinition(Wire, kw_only=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """True: the call's arguments are constrained to `parameters` (vLLM's structural tag)."""
 
 
 class ToolDefinition(Wire, kw_only=True):
@@ -204,7 +206,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=-1)] | None = 0
     tools: list[ToolDefinition] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None | UnsetType = UNSET
+    """Unset: "auto" when `tools` are sent, else "none" (vLLM's default); null is kept."""
     parallel_tool_calls: bool | None = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -310,6 +313,12 @@ class GenerateRequest(Wire, kw_only=True):
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     output_mode: Literal["tokens"] = "tokens"
+    reasoning_ended: bool | None = None
+    """Set by render when a reasoning parser is configured: True when structured outputs apply
+    from the first output token, False once the engine's reasoning parser sees reasoning end
+    (None: the engine reads the prompt itself)."""
+    reasoning_parser_kwargs: dict[str, Any] | None = None
+    """`{"chat_template_kwargs": ...}` for the engine's reasoning parser (render, with one)."""
 
     def transfer_params(self) -> dict[str, Any] | None:
         if self.kv_transfer_params is not None:
@@ -363,6 +372,9 @@ class Usage(Wire, kw_only=True):
     total_tokens: int = 0
     completion_tokens: int | None = 0
     prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+    """`{"reasoning_tokens": N}` on a chat answer when a reasoning parser is configured (vLLM's
+    count); null otherwise."""
 
 
 StopReason = int | str | None
@@ -469,10 +481,26 @@ class ChatCompletion(Wire, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class DeltaFunction(Out, kw_only=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Out, kw_only=True):
+    """One tool call in a stream: tokenline sends each call whole, in the stream's last chunk
+    (vLLM's answer for a call may depend on the calls after it)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
+
+
 class Delta(Out, kw_only=True):
     role: str | None = None
     content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(Wire, kw_only=True):
@@ -560,6 +588,9 @@ class DerenderStreamState(Wire, kw_only=True):
     unsent_chars: NonNegative = 0
     completion_tokens: NonNegative = 0
     stopped: bool = False
+    parser: dict[str, Any] | None = None
+    """The tool/reasoning parsers' state (`services/derender/parsers`' `ChainState`), when the
+    derender has parsers configured; bounded by the parsers' `max_held`."""
 
 
 class DerenderChatRequest(Wire, kw_only=True):

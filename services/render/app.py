@@ -14,6 +14,7 @@ from prometheus_client import Counter
 from tokenline.services.render import tokenize, worker
 from tokenline.services.render.config import RenderConfig
 from tokenline.services.render.render import RenderSettings
+from tokenline.services.render.tools import ToolFlags
 from tokenline.shared.http import make_base_app, read_json_body
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
@@ -45,6 +46,8 @@ def settings_for(config: RenderConfig, tok: ModelTokenizer) -> RenderSettings:
         max_model_len=config.max_model_len or tok.max_position_embeddings,
         trust_request_chat_template=config.trust_request_chat_template,
         bounds=config.bounds(),
+        tools=ToolFlags(config.enable_auto_tool_choice, config.tool_call_parser),
+        reasoning_parser=config.reasoning_parser,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 import msgspec
 
+from tokenline.services.derender.parsers.adjust import skips_special_tokens
 from tokenline.services.render.bounds import (
     Bounds,
     check_choices,
@@ -23,12 +24,20 @@ from tokenline.services.render.bounds import (
     check_stops,
 )
 from tokenline.services.render.constraints import constraint_of
+from tokenline.services.render.reasoning import effective_template_kwargs, reasoning_fields
 from tokenline.services.render.sampling import (
     check_token_ids,
     max_tokens_for,
     prompt_logprobs_of,
     sampling_params,
     stop_list,
+)
+from tokenline.services.render.tools import (
+    ToolFlags,
+    check_parser,
+    check_structured_with_tools,
+    check_tools,
+    tool_constraint,
 )
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.limits import MAX_LOGPROBS
@@ -67,6 +76,8 @@ class RenderSettings:
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     bounds: Bounds = field(default_factory=Bounds)
+    tools: ToolFlags = field(default_factory=ToolFlags)
+    reasoning_parser: str | None = None
 
 
 def random_id() -> str:
@@ -193,22 +204,15 @@ def _template_kwargs(request: ChatCompletionRequest, settings: RenderSettings) -
     return kwargs
 
 
-def _check_tool_choice(request: ChatCompletionRequest) -> None:
-    """Without a tool parser (tokenline has none) only `tool_choice: "none"` can be honored."""
-    choice = request.tool_choice
-    if request.tools is None and choice in (None, "none"):
-        return
-    if choice in (None, "auto"):
-        raise BadRequest(
-            '"auto" tool choice requires --enable-auto-tool-choice and '
-            "--tool-call-parser to be set",
-            param="tool_choice",
-        )
-    if choice != "none":
-        raise BadRequest(
-            'tool_choice other than "none" requires --tool-call-parser to be set',
-            param="tool_choice",
-        )
+def _template_tools(request: ChatCompletionRequest) -> list[Any] | None:
+    """Tools as vLLM dumps them for the template: `strict` only when given."""
+    if request.tools is None:
+        return None
+    dumped = [msgspec.to_builtins(t) for t in request.tools]
+    for tool in dumped:
+        if tool["function"].get("strict") is None:
+            tool["function"].pop("strict", None)
+    return dumped
 
 
 def chat_prompt(
@@ -221,8 +225,10 @@ def chat_prompt(
         )
     kwargs = _template_kwargs(request, settings)
     template = request.chat_template or kwargs.pop("chat_template", None)
-    _check_tool_choice(request)
-    tools = None if request.tools is None else [msgspec.to_builtins(t) for t in request.tools]
+    check_tools(request)
+    check_structured_with_tools(request)
+    check_parser(request, settings.tools)
+    tools = _template_tools(request)
     messages = conversation(request.messages, tok.content_format)
 
     def apply(tools: list[Any] | None, kwargs: dict[str, Any]) -> str:
@@ -337,7 +343,31 @@ def render_chat(
     )
     check_logprob_entries(logprobs, max_tokens, request.n, bounds, "top_logprobs")
     request_id = "chatcmpl-" + (header_request_id or request.request_id or random_id())
-    return _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
+    gen = _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
+    return _with_parsers(gen, request, tok, settings)
+
+
+def _with_parsers(
+    gen: GenerateRequest,
+    request: ChatCompletionRequest,
+    tok: ModelTokenizer,
+    settings: RenderSettings,
+) -> GenerateRequest:
+    """What vLLM's parsers change in a rendered chat (`adjust_request`, the structural tag,
+    the reasoning fields)."""
+    tool, reasoning = settings.tools.tool_call_parser, settings.reasoning_parser
+    params = msgspec.structs.replace(
+        gen.sampling_params,
+        skip_special_tokens=skips_special_tokens(request, tool, reasoning),
+        structured_outputs=tool_constraint(request, tool, gen.sampling_params.structured_outputs),
+    )
+    gen = msgspec.structs.replace(gen, sampling_params=params)
+    if reasoning is None:
+        return gen
+    defaults = dict(settings.default_chat_template_kwargs)
+    kwargs = effective_template_kwargs(request, defaults)
+    ended, fields = reasoning_fields(request, reasoning, kwargs, gen.token_ids, tok)
+    return msgspec.structs.replace(gen, reasoning_ended=ended, reasoning_parser_kwargs=fields)
 
 
 def truncated(ids: list[int], request: SamplingFields, max_model_len: int) -> list[int]:

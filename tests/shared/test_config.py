@@ -204,9 +204,9 @@ SERVICES = {
 FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users already use
     "render": "--model --served-model-name --max-model-len --host --port --executor --workers "
     "--chat-template --trust-request-chat-template --max-stops --max-stop-chars --max-choices "
-    "--max-logprob-entries",
+    "--max-logprob-entries --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
     "derender": "--model --served-model-name --max-model-len --host --port --workers --threads "
-    "--zmq-port",
+    "--zmq-port --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
     "proxy": "--render --derender --prefill --decode --host --port --generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --health-interval --max-in-flight --max-queued --max-body-bytes "
@@ -252,6 +252,8 @@ def test_service_fields_are_all_exposed_or_excluded(name: str) -> None:
         ("derender", ["--workers", "0"]),
         ("derender", ["--threads", "0"]),
         ("derender", ["--zmq-port", "65536"]),
+        ("render", ["--tool-call-parser", "nope"]),
+        ("derender", ["--reasoning-parser", "nope"]),
         ("proxy", ["--health-interval", "0"]),
         ("proxy", ["--max-in-flight", "0"]),
         ("proxy", ["--derender-transport", "grpc"]),
@@ -262,6 +264,12 @@ def test_service_fields_are_all_exposed_or_excluded(name: str) -> None:
 def test_service_bad_values_are_refused(name: str, argv: list[str], capsys: Any) -> None:
     argv = [*SERVICES[name].argv, *argv]
     assert "error: argument" in usage_error(service_parser(name), argv, capsys)
+
+
+def test_auto_tool_choice_needs_a_tool_parser() -> None:
+    args = service_parser("render").parse_args(["--model", "m", "--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit, match="requires --tool-call-parser"):
+        render.from_args(args)
 
 
 def test_render_reads_the_chat_template_file(tmp_path: Path) -> None:

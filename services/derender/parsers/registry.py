@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar, get_args
 
 from tokenline.services.derender.parsers import deepseek_r1, qwen3
 from tokenline.services.derender.parsers.base import LeafParser, LeafState, ParserOptions
@@ -16,6 +16,11 @@ from tokenline.services.derender.parsers.deepseek_r1 import DeepSeekR1, DeepSeek
 from tokenline.services.derender.parsers.hermes import Hermes, HermesState
 from tokenline.services.derender.parsers.qwen3 import Qwen3, Qwen3State
 from tokenline.services.derender.parsers.qwen3_coder import Qwen3Coder, Qwen3CoderState
+
+ReasoningParserName = Literal["qwen3", "deepseek_r1"]
+"""`--reasoning-parser` values (the keys of `REASONING_PARSERS`)."""
+ToolParserName = Literal["hermes", "qwen3_coder"]
+"""`--tool-call-parser` values (the keys of `TOOL_PARSERS`)."""
 
 ReasoningState = DeepSeekR1State | Qwen3State
 ToolState = HermesState | Qwen3CoderState
@@ -105,3 +110,6 @@ TOOL_PARSERS: dict[str, ToolSpec] = {
         new=_qwen3_coder,
     ),
 }
+
+assert set(REASONING_PARSERS) == set(get_args(ReasoningParserName))
+assert set(TOOL_PARSERS) == set(get_args(ToolParserName))
