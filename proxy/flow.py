@@ -151,12 +151,22 @@ def needs_tokenizer(client: ClientRequest, gens: list[GenerateRequest]) -> str |
 def constraint_field(client: ClientRequest) -> str | None:
     """The field a structured-output constraint came from, to name it when generate refuses
     the constraint (render cannot compile grammars: that needs the engine's backend)."""
+    if _forces_tool_call(client):
+        return "tool_choice"
     rf = client.response_format
     if rf and rf.get("type") != "text":
         return "response_format"
     if client.structured_outputs is not None:
         return "structured_outputs"
     return None
+
+
+def _forces_tool_call(client: ClientRequest) -> bool:
+    """A "required" or named tool choice: render's tool-call grammar replaces any other."""
+    choice = getattr(client, "tool_choice", None)
+    return bool(getattr(client, "tools", None)) and (
+        choice == "required" or isinstance(choice, dict)
+    )
 
 
 def engine_id(gen: GenerateRequest) -> str:
@@ -270,7 +280,11 @@ class DerenderView:
     def of(
         cls, kind: Kind, client: ClientRequest, prompt: dict[str, Any] | None = None
     ) -> DerenderView:
-        kept = {name: getattr(client, name) for name in DERENDER_READS if hasattr(client, name)}
+        kept = {
+            name: getattr(client, name)
+            for name in DERENDER_READS
+            if getattr(client, name, msgspec.UNSET) is not msgspec.UNSET  # not sent, not shown
+        }
         raw = msgspec.json.encode({**kind.prompt_stub, **kept, **(prompt or {})})
         return cls(raw, kind.client_request.decode(raw))
 

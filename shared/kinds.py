@@ -43,6 +43,11 @@ DERENDER_READS = (
     "ignore_eos",
     "echo",
     "add_generation_prompt",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "include_reasoning",
+    "chat_template_kwargs",
 )
 """The client request fields derender reads (a test keeps this in step with derender's code):
 a stream's derender calls carry only these, not the whole client body with every chunk."""

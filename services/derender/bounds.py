@@ -8,8 +8,9 @@ model's vocabulary.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.served import served_name
@@ -30,6 +31,7 @@ class DerenderSettings:
     max_model_len: int
     max_choices: int = 16384
     max_logprobs: int = MAX_LOGPROBS
+    parsers: ParserFlags = field(default_factory=ParserFlags)
 
 
 def model_name(requested: str | None, settings: DerenderSettings) -> str:

@@ -9,6 +9,7 @@ so that any replica can take the next chunk. Non-streaming is one `feed(..., fin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenline.services.derender.detok import Detokenizer, DetokState, seed
 from tokenline.services.derender.stops import STOP_TAIL_CHARS, StopChecker, StopState, tail_room
@@ -62,6 +63,8 @@ class ChoiceState:
     completion_tokens: int = 0
     stopped: bool = False
     role_sent: bool = False
+    parser: dict[str, Any] | None = None
+    """The tool/reasoning parsers' state (chat with parsers configured)."""
 
     @classmethod
     def start(cls, prompt_ids: list[int] | None) -> ChoiceState:
@@ -91,6 +94,7 @@ class ChoiceState:
             completion_tokens=s.completion_tokens,
             stopped=s.stopped,
             role_sent=s.role_sent,
+            parser=s.parser,
         )
 
     def to_wire(self) -> DerenderStreamState:
@@ -105,6 +109,7 @@ class ChoiceState:
             unsent_chars=self.stop.unsent,
             completion_tokens=self.completion_tokens,
             stopped=self.stopped,
+            parser=self.parser,
         )
 
 

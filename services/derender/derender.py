@@ -24,6 +24,7 @@ from tokenline.services.derender.bounds import (
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
 from tokenline.services.derender.echo import Echo, chat_echo, chat_role, completion_echo
 from tokenline.services.derender.logprobs import decoded_prompt_logprobs
+from tokenline.services.derender.parsing import ChatParsing, delta_fields
 from tokenline.services.derender.parts import (
     chat_logprobs,
     completion_logprobs,
@@ -71,12 +72,16 @@ class StreamCall:
     first: bool
     """The choice's first call: the one that shows the role and any echo."""
     prompt_ids: list[int] | None
+    parsing: ChatParsing | None = None
+    """Chat with parsers configured: how this request's choices are parsed."""
 
 
 def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> ChatStreamChoice:
     request: ChatCompletionRequest | None = call.request
     first = not call.state.role_sent
     call.state.role_sent = True
+    if call.parsing is not None:
+        return _parsed_stream_choice(call, call.parsing, index, out, first)
     text = chat_echo(request) + out.text if first else out.text
     return ChatStreamChoice(
         index=index,
@@ -85,6 +90,35 @@ def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> Chat
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
         token_ids=if_asked(request, out.token_ids),
+    )
+
+
+def _parsed_stream_choice(
+    call: StreamCall, parsing: ChatParsing, index: int, out: ChoiceOutput, first: bool
+) -> ChatStreamChoice:
+    """A chunk's delta through the parsers, which carry their state in the stream state; tool
+    calls come whole with the last chunk, and every chunk carries its own tokens' logprobs."""
+    request = parsing.request
+    final = out.finish_reason is not None
+    pieces, call.state.parser = parsing.pieces(out.token_ids, out.text, final, call.state.parser)
+    content, reasoning, calls = delta_fields(pieces)
+    if first and request.echo:
+        content = chat_echo(request) + (content or "")
+    shown = parsing.shows_metadata
+    return ChatStreamChoice(
+        index=index,
+        delta=Delta(
+            role=chat_role(request) if first else None,
+            content=content or None,
+            reasoning=reasoning,
+            tool_calls=calls,
+        ),
+        logprobs=chat_logprobs(call.tok, out, request) if shown else None,
+        finish_reason=parsing.finish_reason(out.finish_reason, calls is not None)
+        if final
+        else None,
+        stop_reason=out.stop_reason,
+        token_ids=if_asked(request, out.token_ids) if shown else None,
     )
 
 
@@ -233,10 +267,15 @@ def derender_stream(
     prompt_ids = _stream_prompt_ids(req.prompt_token_ids)
     check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
+    parsing = None
+    if isinstance(req, DerenderChatRequest):
+        parsing = ChatParsing.of(s.parsers, req.chat_request, tok)
     opts = ChoiceOptions.of(req.client)
+    opts = parsing.choice_options(opts) if parsing is not None else opts
     prompt_ids = prompt_ids or chunk.prompt_token_ids
     state = _stream_state(req.stream_state, tok, opts, prompt_ids)
-    call = StreamCall(tok, req.client, chunk, state, req.stream_state is None, prompt_ids)
+    first = req.stream_state is None
+    call = StreamCall(tok, req.client, chunk, state, first, prompt_ids, parsing)
     choices: list[Any] = []
     match = None
     if c is not None:

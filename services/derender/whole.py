@@ -14,6 +14,7 @@ from tokenline.services.derender.bounds import (
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
 from tokenline.services.derender.echo import Echo, chat_echo, chat_role, completion_echo
 from tokenline.services.derender.logprobs import decoded_prompt_logprobs
+from tokenline.services.derender.parsing import ChatParsing, tool_calls_of
 from tokenline.services.derender.parts import (
     chat_logprobs,
     completion_logprobs,
@@ -29,6 +30,7 @@ from tokenline.shared.wire import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    ChatCompletionRequest,
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -69,27 +71,62 @@ def derender_chat(
     check_prompt_ids(req.prompt_token_ids, tok, s)
     prompt_ids = req.prompt_token_ids or resp.prompt_token_ids
     request = req.chat_request
-    outputs = _whole_outputs(tok, ChoiceOptions.of(request), resp, prompt_ids)
-    role, echo = chat_role(request), chat_echo(request)
+    parsing = ChatParsing.of(s.parsers, request, tok)
+    opts = ChoiceOptions.of(request)
+    opts = parsing.choice_options(opts) if parsing is not None else opts
+    outputs = _whole_outputs(tok, opts, resp, prompt_ids)
+    usage = usage_of(prompt_count(req.prompt_tokens, resp.usage, prompt_ids), _tokens(outputs))
+    if parsing is not None and s.parsers.reasoning_parser is not None:
+        counted = sum(
+            parsing.reasoning_tokens(out.token_ids, _hides_last(out)) for _, out in outputs
+        )
+        usage.completion_tokens_details = {"reasoning_tokens": counted}
     return ChatCompletion(
         id=resp.request_id,
         created=int(time.time()),
         model=model,
-        choices=[
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(role=role, content=echo + out.text),
-                logprobs=chat_logprobs(tok, out, request),
-                finish_reason=out.finish_reason or "stop",
-                stop_reason=out.stop_reason,
-                token_ids=if_asked(request, out.token_ids),
-            )
-            for index, out in outputs
-        ],
-        usage=usage_of(prompt_count(req.prompt_tokens, resp.usage, prompt_ids), _tokens(outputs)),
+        choices=[_chat_choice(tok, request, i, out, parsing) for i, out in outputs],
+        usage=usage,
         prompt_logprobs=_prompt_logprobs(tok, resp),
         prompt_token_ids=if_asked(request, prompt_ids),
         kv_transfer_params=resp.kv_transfer_params,
+    )
+
+
+def _hides_last(out: ChoiceOutput) -> bool:
+    """The last token is a stop token the text leaves out (vLLM's `stop_terminated`)."""
+    return out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+
+
+def _chat_choice(
+    tok: ModelTokenizer,
+    request: ChatCompletionRequest | None,
+    index: int,
+    out: ChoiceOutput,
+    parsing: ChatParsing | None,
+) -> ChatChoice:
+    """One choice of a whole chat answer; through the parsers when configured."""
+    role, echo = chat_role(request), chat_echo(request)
+    if parsing is None:
+        message = AssistantMessage(role=role, content=echo + out.text)
+        finish, shown = out.finish_reason or "stop", True
+    else:
+        pieces, _ = parsing.pieces(out.token_ids, out.text, final=True)
+        parsed = parsing.message(pieces)
+        echoing = request is not None and request.echo
+        content = echo + (parsed.content or "") if echoing else parsed.content
+        message = AssistantMessage(
+            role=role, content=content, reasoning=parsed.reasoning, tool_calls=tool_calls_of(parsed)
+        )
+        finish = parsing.finish_reason(out.finish_reason, bool(parsed.tool_calls))
+        shown = parsing.shows_metadata
+    return ChatChoice(
+        index=index,
+        message=message,
+        logprobs=chat_logprobs(tok, out, request) if shown else None,
+        finish_reason=finish,
+        stop_reason=out.stop_reason,
+        token_ids=if_asked(request, out.token_ids) if shown else None,
     )
 
 

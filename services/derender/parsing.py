@@ -1,0 +1,222 @@
+"""Chat answers through the configured tool and reasoning parsers, as vLLM's serving layer
+shows them (pure).
+
+The parsers (`services/derender/parsers`) turn a choice's text into reasoning, content and tool
+calls; this module adds what vLLM's chat serving does around them: which parsers run for a
+request, the text they see (`skip_special_tokens` as the parsers' `adjust_request` sets it), the
+message's fields (`content or ""` for required and named choices, `include_reasoning`,
+`parallel_tool_calls`), `finish_reason: "tool_calls"`, and the reasoning-token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tokenline.services.derender.choice import ChoiceOptions
+from tokenline.services.derender.parsers import (
+    ChainState,
+    Content,
+    Message,
+    ParserLimitExceeded,
+    ParserOptions,
+    Piece,
+    Reasoning,
+    ToolCallDelta,
+    assemble,
+    build,
+    tool_properties,
+)
+from tokenline.services.derender.parsers.adjust import (
+    ParserFlags,
+    skips_special_tokens,
+    tool_choice_of,
+)
+from tokenline.shared.errors import BadRequest, InvalidStreamState
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import (
+    ChatCompletionRequest,
+    DeltaFunction,
+    DeltaToolCall,
+    ToolCall,
+    ToolFunction,
+)
+
+NEEDS_REQUEST = (
+    "chat_request is required when a tool or reasoning parser is configured because plain "
+    "detokenization would leak raw parser markup into content."
+)
+MARKS = ("<think>", "</think>")
+
+
+@dataclass(frozen=True)
+class ChatParsing:
+    """How one chat request's choices are parsed."""
+
+    flags: ParserFlags
+    request: ChatCompletionRequest
+    options: ParserOptions
+    marks: tuple[int, int] | None
+    """`<think>` and `</think>`'s IDs, to count reasoning tokens as vLLM does
+    (None: no reasoning parser, or a vocabulary without them)."""
+
+    @classmethod
+    def of(
+        cls, flags: ParserFlags, request: ChatCompletionRequest | None, tok: ModelTokenizer
+    ) -> ChatParsing | None:
+        """None when no parser is configured; a 400 when one is and the request is missing."""
+        if not flags.any:
+            return None
+        if request is None:
+            raise BadRequest(NEEDS_REQUEST, param="chat_request")
+        return cls(flags, request, _options(request, tok), _marks(flags, tok))
+
+    @property
+    def tool(self) -> str | None:
+        """The tool parser that runs: only with auto tool choice on (else vLLM parses none)."""
+        return self.flags.tool_call_parser if self.flags.enable_auto_tool_choice else None
+
+    def choice_options(self, options: ChoiceOptions) -> ChoiceOptions:
+        skip = skips_special_tokens(
+            self.request, self.flags.tool_call_parser, self.flags.reasoning_parser
+        )
+        return dataclasses.replace(options, skip_special_tokens=skip)
+
+    def pieces(
+        self, ids: list[int], text: str, final: bool, state: dict[str, Any] | None = None
+    ) -> tuple[list[Piece], dict[str, Any]]:
+        """This chunk's pieces (all that remain when `final`), and the state to carry."""
+        chain = build(self.flags.reasoning_parser, self.tool, self.options, _chain_state(state))
+        try:
+            out = chain.feed(ids, text)
+            if final:
+                out += chain.flush()
+        except ParserLimitExceeded as exc:
+            raise BadRequest(f"the answer is too long to parse: {exc}", param="stream") from exc
+        return self._shown(out), msgspec.to_builtins(chain.state)
+
+    def _shown(self, pieces: list[Piece]) -> list[Piece]:
+        keep_reasoning = self.request.include_reasoning
+        single = self.request.parallel_tool_calls is False
+        return [
+            p
+            for p in pieces
+            if not (isinstance(p, Reasoning) and not keep_reasoning)
+            and not (isinstance(p, ToolCallDelta) and single and p.index > 0)
+        ]
+
+    @property
+    def shows_metadata(self) -> bool:
+        """vLLM drops logprobs and token IDs with the reasoning (`include_reasoning: false`)."""
+        return self.request.include_reasoning
+
+    def message(self, pieces: Iterable[Piece]) -> Message:
+        """The whole answer's fields, as vLLM's chat serving builds its message."""
+        found = assemble(pieces)
+        if not self.request.tools:  # vLLM parses calls then shows none without tools
+            found = msgspec.structs.replace(found, tool_calls=[])
+        if tool_choice_of(self.request) in ("required", "named"):
+            return msgspec.structs.replace(found, content=found.content or "")
+        return found
+
+    def finish_reason(self, engine: str | None, called: bool) -> str:
+        """vLLM's: "tool_calls" when an auto choice called a tool (whatever ended it), or a
+        required choice stopped; else the engine's."""
+        choice = tool_choice_of(self.request)
+        auto = choice == "auto" and self.tool is not None and called
+        if auto or (choice == "required" and engine == "stop"):
+            return "tool_calls"
+        return engine or "stop"
+
+    def reasoning_tokens(self, ids: list[int], hidden_last: bool) -> int:
+        """vLLM's count of reasoning tokens in a whole output (its usage's
+        `completion_tokens_details`): deepseek_r1 counts tokens inside `<think>` spans (a depth
+        counter from zero); qwen3's engine counts the tokens it parsed as reasoning, which from
+        the token IDs is: from the start when thinking is on (or from `<think>`) up to
+        `</think>`, the markers not counted (a `<tool_call>` in reasoning is reasoning), nor
+        a last stop token the text leaves out (`hidden_last`: no text, no reasoning chunk)."""
+        if self.marks is None:
+            return 0
+        if hidden_last and self.flags.reasoning_parser == "qwen3":
+            ids = ids[:-1]
+        start, end = self.marks
+        qwen3 = self.flags.reasoning_parser == "qwen3"
+        depth = int(qwen3 and self.options.enable_thinking)
+        count = 0
+        for token_id in ids:
+            if token_id == start:
+                depth += 1
+            elif token_id == end:
+                depth = 0 if qwen3 else max(0, depth - 1)
+            elif depth:
+                count += 1
+        return count
+
+
+def _options(request: ChatCompletionRequest, tok: ModelTokenizer) -> ParserOptions:
+    tools = [msgspec.to_builtins(t) for t in request.tools or []]
+    kwargs = request.chat_template_kwargs or {}
+    return ParserOptions(
+        special_tokens=special_tokens(tok),
+        tools=tool_properties(tools),
+        tool_choice=tool_choice_of(request),
+        enable_thinking=bool(kwargs.get("enable_thinking", True)),
+    )
+
+
+def special_tokens(tok: ModelTokenizer) -> frozenset[str]:
+    """transformers' `all_special_tokens`: the named special tokens and the additional ones."""
+    extra = tok.tokenizer_config.get("additional_special_tokens") or []
+    texts = [t if isinstance(t, str) else t.get("content") for t in extra]
+    return frozenset(tok.special_tokens_map.values()) | {t for t in texts if isinstance(t, str)}
+
+
+def _marks(flags: ParserFlags, tok: ModelTokenizer) -> tuple[int, int] | None:
+    if flags.reasoning_parser is None:
+        return None
+    found = [tok.rust.token_to_id(t) for t in MARKS]
+    if any(i is None for i in found):
+        return None
+    start, end = (int(i) for i in found if i is not None)
+    return start, end
+
+
+def _chain_state(raw: dict[str, Any] | None) -> ChainState | None:
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, ChainState)
+    except msgspec.ValidationError as exc:
+        raise InvalidStreamState(
+            f"invalid stream_state: parser {exc}", param="stream_state.parser"
+        ) from exc
+
+
+def tool_calls_of(message: Message) -> list[ToolCall]:
+    return [
+        ToolCall(id=c.id, function=ToolFunction(name=c.name, arguments=c.arguments))
+        for c in message.tool_calls
+    ]
+
+
+def delta_fields(pieces: list[Piece]) -> tuple[str | None, str | None, list[DeltaToolCall] | None]:
+    """A stream chunk's (content, reasoning, tool_calls) from its pieces."""
+    content = [p.text for p in pieces if isinstance(p, Content)]
+    reasoning = [p.text for p in pieces if isinstance(p, Reasoning)]
+    calls = [
+        DeltaToolCall(
+            index=p.index,
+            id=p.id,
+            type=p.type,
+            function=DeltaFunction(name=p.name, arguments=p.arguments),
+        )
+        for p in pieces
+        if isinstance(p, ToolCallDelta)
+    ]
+    # reasoning that is present but empty (deepseek_r1's `<think></think>`) is sent as "", as
+    # the whole answer shows it
+    return ("".join(content) or None, "".join(reasoning) if reasoning else None, calls or None)
