@@ -96,9 +96,9 @@ def oracle(name: str, model: Path, served: str, *extra: str) -> Process:
     return _peer(name, "engine", model, served, *extra)
 
 
-def vllm_render(name: str, model: Path, served: str) -> Process:
+def vllm_render(name: str, model: Path, served: str, *extra: str) -> Process:
     """`vllm launch render`: vLLM's own render/derender server, no engine."""
-    return _peer(name, "render", model, served)
+    return _peer(name, "render", model, served, *extra)
 
 
 def generate_role(name: str, model: Path, role: Role, cores: str) -> Process:

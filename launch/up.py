@@ -28,6 +28,7 @@ import msgspec
 from tokenline.launch.cli import child_argv
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process, ProcessExited, free_port, say, wait_all
+from tokenline.services.derender.parsers.registry import ReasoningParserName, ToolParserName
 from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
 from tokenline.shared.config import CommandLine, NonNegative, Port, Positive, Seconds
 
@@ -74,10 +75,29 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Start-up limit, seconds."""
     drain_timeout: Seconds = 5.0
     """Seconds the proxy lets streams finish when stopping (its --drain-timeout)."""
+    enable_auto_tool_choice: bool = False
+    """Parse tool calls for `tool_choice: "auto"` (vLLM's flag; needs --tool-call-parser)."""
+    tool_call_parser: ToolParserName | None = None
+    """vLLM's tool-call parser, for render, derender and the engines (unset: none)."""
+    reasoning_parser: ReasoningParserName | None = None
+    """vLLM's reasoning parser, for render, derender and the engines (unset: none)."""
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
     @property
     def pd(self) -> bool:
         return not self.no_pd and self.prefill > 0
+
+    def parser_flags(self) -> list[str]:
+        """The parser flags, as vLLM and tokenline's render and derender spell them."""
+        flags = ["--enable-auto-tool-choice"] if self.enable_auto_tool_choice else []
+        if self.tool_call_parser is not None:
+            flags += ["--tool-call-parser", self.tool_call_parser]
+        if self.reasoning_parser is not None:
+            flags += ["--reasoning-parser", self.reasoning_parser]
+        return flags
 
 
 CLI = CommandLine(UpConfig)
@@ -113,6 +133,9 @@ def _engines(up: UpConfig, model: Path, served: str) -> list[Process]:
             cpu_cores=str(k % cores) if up.pd else None,
             nixl_port=free_port() if up.pd else None,
             vllm_bin=up.vllm_bin,
+            # the engine's reasoning parser decides when structured outputs start; a
+            # tokens-only engine has no tokenizer to parse with (and takes no constraint)
+            extra_args=() if up.tokens_only else tuple(up.parser_flags()),
         )
         engines.append(_service(name, command(config), config.port, env=environment(config)))
     return engines
@@ -145,7 +168,7 @@ def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process
     for kind, count in (("render", up.render), ("derender", up.derender)):
         for i in range(count):
             port = free_port()
-            argv = child_argv(kind, *common, "--port", str(port))
+            argv = child_argv(kind, *common, *up.parser_flags(), "--port", str(port))
             backends.append(_service(f"{kind}-{i}", argv, port))
 
     def urls(prefix: str) -> list[str]:

@@ -53,6 +53,24 @@ def qwen3_tok(qwen3_model: Path) -> ModelTokenizer:
     return ModelTokenizer.load(qwen3_model)
 
 
+HERMES_QWEN3 = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--reasoning-parser",
+    "qwen3",
+)
+"""Parser flags of the fleet's first parsing pair (Qwen3 as compose.yaml serves it)."""
+CODER_R1 = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "qwen3_coder",
+    "--reasoning-parser",
+    "deepseek_r1",
+)
+"""The other pair: the XML tool parser and the legacy reasoning parser."""
+
+
 @dataclass
 class Fleet:
     """The vLLM servers of a test session (all real)."""
@@ -64,6 +82,10 @@ class Fleet:
     render_qwen3: Process
     prefill: Process  # P/D pair on tiny as `tokenline generate` runs it, NixlConnector, pinned
     decode: Process  # to cores 0 and 1
+    oracle_hermes: Process  # vllm serve on tiny-qwen3 with HERMES_QWEN3 (and its engine)
+    oracle_coder: Process  # the same with CODER_R1
+    render_hermes: Process  # vllm launch render on tiny-qwen3 with HERMES_QWEN3
+    render_coder: Process  # ... with CODER_R1
 
     @property
     def generate(self) -> Process:
@@ -81,6 +103,10 @@ class Fleet:
             self.render_qwen3,
             self.prefill,
             self.decode,
+            self.oracle_hermes,
+            self.oracle_coder,
+            self.render_hermes,
+            self.render_coder,
         ]
 
 
@@ -111,9 +137,17 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
         render_qwen3=servers.vllm_render("vllm-render-qwen3", qwen3_model, "tiny-qwen3"),
         prefill=servers.generate_role("vllm-prefill-tiny", tiny_model, "prefill", "0"),
         decode=servers.generate_role("vllm-decode-tiny", tiny_model, "decode", "1"),
+        oracle_hermes=servers.oracle(
+            "vllm-oracle-hermes", qwen3_model, "tiny-qwen3", *HERMES_QWEN3
+        ),
+        oracle_coder=servers.oracle("vllm-oracle-coder", qwen3_model, "tiny-qwen3", *CODER_R1),
+        render_hermes=servers.vllm_render(
+            "vllm-render-hermes", qwen3_model, "tiny-qwen3", *HERMES_QWEN3
+        ),
+        render_coder=servers.vllm_render("vllm-render-coder", qwen3_model, "tiny-qwen3", *CODER_R1),
     )
     try:
-        start_all(f.all(), 600)  # seven vLLMs booting at once on a small CPU
+        start_all(f.all(), 900)  # eleven vLLMs booting at once on a small CPU
         if os.environ.get("TOKENLINE_REUSE_FLEET") == "1":
             REUSE.write_text(json.dumps({k: v.port for k, v in vars(f).items()}))
             yield f

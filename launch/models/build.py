@@ -9,6 +9,7 @@ Everything is seeded, so two builds are byte-identical.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 from importlib import resources
@@ -302,7 +303,8 @@ def build(name: str, out: Path) -> Path:
     """Build model `name` into `out` unless a complete build is already there."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    if (out / ".complete").exists():
+    marker = out / ".complete"
+    if marker.exists() and marker.read_text() == _marker(name):
         return out
     out.mkdir(parents=True, exist_ok=True)
     if name == "tiny":
@@ -330,5 +332,12 @@ def build(name: str, out: Path) -> Path:
     save_file(
         _qwen2_weights(cfg, seed, dtype), str(out / "model.safetensors"), metadata={"format": "pt"}
     )
-    (out / ".complete").write_text(name + "\n")
+    marker.write_text(_marker(name))
     return out
+
+
+def _marker(name: str) -> str:
+    """What a complete build records: a changed chat template (the one file edited by hand)
+    makes the build stale, so the next use rebuilds it."""
+    digest = hashlib.sha256(chat_template().encode()).hexdigest()[:16]
+    return f"{name}\n{digest}\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import Fleet
+from tests.conftest import CODER_R1, HERMES_QWEN3, Fleet
 from tokenline.launch import servers
 from tokenline.launch.bench.http import get
 from tokenline.launch.servers import Server
@@ -43,13 +43,14 @@ def start_pipeline(
     derender_args: tuple[str, ...] = (),
     served: str = "tiny",
     api_key: str | None = None,
+    render_args: tuple[str, ...] = (),
 ) -> Pipeline:
     """render, derender(s) and a proxy in front of `decode_urls`; the proxy runs open unless
     `api_key` (or `extra` in the old spelling, `--api-key KEY`) gives it a key."""
     extra, api_key = _key_out_of(extra, api_key)
     named = ("--served-model-name", served, *MAX_MODEL_LEN)
     render = servers.tokenline(
-        f"{name}-render", "render", "--model", str(model), *named, "--workers", "1"
+        f"{name}-render", "render", "--model", str(model), *named, "--workers", "1", *render_args
     )
     ders = [
         servers.tokenline(
@@ -119,6 +120,37 @@ def pd_pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
 def qwen3_pipeline(fleet: Fleet, qwen3_model: Path) -> Iterator[Pipeline]:
     """tokenline on the Qwen3-vocabulary model; its engine is that oracle's own."""
     p = start_pipeline("qwen3", qwen3_model, [fleet.oracle_qwen3.url], served="tiny-qwen3")
+    yield p
+    for s in p.all():
+        s.stop()
+
+
+def _parsing_pipeline(name: str, model: Path, engine: Server, flags: tuple[str, ...]) -> Pipeline:
+    """tokenline with parser flags in front of an oracle started with the same flags (its
+    engine has the reasoning parser that decides when grammar applies)."""
+    return start_pipeline(
+        name,
+        model,
+        [engine.url],
+        served="tiny-qwen3",
+        render_args=flags,
+        derender_args=flags,
+    )
+
+
+@pytest.fixture(scope="session")
+def hermes_pipeline(fleet: Fleet, qwen3_model: Path) -> Iterator[Pipeline]:
+    """`--tool-call-parser hermes --reasoning-parser qwen3` (compose.yaml's Qwen3)."""
+    p = _parsing_pipeline("hermes", qwen3_model, fleet.oracle_hermes, HERMES_QWEN3)
+    yield p
+    for s in p.all():
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def coder_pipeline(fleet: Fleet, qwen3_model: Path) -> Iterator[Pipeline]:
+    """`--tool-call-parser qwen3_coder --reasoning-parser deepseek_r1`."""
+    p = _parsing_pipeline("coder", qwen3_model, fleet.oracle_coder, CODER_R1)
     yield p
     for s in p.all():
         s.stop()

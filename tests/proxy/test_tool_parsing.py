@@ -1,0 +1,284 @@
+"""Tool calls and reasoning end to end: tokenline's answers equal monolithic vLLM 0.32's,
+started with the same parser flags, on the Qwen3-vocabulary model; whole and streaming.
+
+Random weights never call a tool by themselves, so outputs are forced (greedy decoding, so
+both servers sample the same tokens): `tool_choice` "required" and named (vLLM's tool-call
+grammar), `structured_outputs.regex` writing `<tool_call>` blocks, and a `logit_bias` on
+`</think>` that splits the output into reasoning and content. vLLM 0.32 applies a grammar only
+once reasoning has ended: with thinking on, nothing is forced until the model closes `</think>`
+itself; `enable_thinking: false` (the template closes the think block) or `include_reasoning:
+false` makes it apply from the first token.
+
+Streaming is compared with vLLM's non-streaming answer, which tokenline's stream reassembles to
+exactly (vLLM's own stream differs from it in places, e.g. tool calls it streams before a later
+call changes them; see `tests/services/derender/parsers/test_vs_vllm.py`). Tool-call ids are
+random in both: compared by format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from tests.conftest import Fleet
+from tests.proxy.conftest import Pipeline
+from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.shared.tokenizer import ModelTokenizer
+
+END_THINK = 151668  # </think> in the Qwen3 vocabulary
+ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16}$")
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": CITY,
+        "strict": True,
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "strict": True,
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+PLAIN = [
+    {
+        "type": "function",
+        "function": {k: v for k, v in WEATHER["function"].items() if k != "strict"},
+    }
+]
+"""Tools without `strict`: "auto" then gets no tool grammar, and a regex forces the output."""
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+HERMES_CALL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{2,6}"\}\}\n</tool_call>'
+)
+CODER_CALL = (
+    r"<tool_call>\n<function=get_weather>\n<parameter=city>\n[a-z]{2,6}\n</parameter>\n"
+    r"</function>\n</tool_call>"
+)
+CALL = {"hermes": HERMES_CALL, "coder": CODER_CALL}
+
+
+def _base(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny-qwen3",
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [WEATHER, SEARCH],
+        "temperature": 0.0,
+        "max_tokens": 48,
+        **extra,
+    }
+
+
+def cases(pair: str, no_spaces: dict[str, float]) -> list[dict[str, Any]]:
+    """The requests; `no_spaces` biases whitespace-only tokens away (the JSON grammar allows
+    any amount, which a random model would write until max_tokens)."""
+    # deepseek_r1 reads everything before `</think>` as reasoning, even when the template closed
+    # the think block: its forced calls write `</think>` first
+    call = CALL[pair] if pair == "hermes" else "</think>\n\n" + CALL[pair]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"logit_bias": no_spaces, **NO_THINKING}
+    return [
+        _base(tool_choice="required", **forced),
+        _base(tool_choice="required", parallel_tool_calls=False, logprobs=True, **forced),
+        _base(tool_choice=named, logprobs=True, top_logprobs=2, **forced),
+        _base(tool_choice=named, include_reasoning=False, logit_bias=no_spaces),
+        _base(
+            tools=PLAIN,
+            structured_outputs={"regex": "Checking. " + call},
+            max_tokens=96,
+            **NO_THINKING,
+        ),
+        _base(
+            tools=PLAIN,
+            structured_outputs={"regex": call + call},
+            parallel_tool_calls=False,
+            max_tokens=128,
+            **NO_THINKING,
+        ),
+        _base(
+            tools=PLAIN,
+            structured_outputs={"regex": call},
+            include_reasoning=False,
+            logprobs=True,
+            max_tokens=96,
+        ),
+        _base(tool_choice="none", **NO_THINKING, max_tokens=12),
+        _base(tools=PLAIN, logit_bias={str(END_THINK): 2.0}, max_tokens=24, logprobs=True),
+        # repeated `</think>`: vLLM's qwen3 streams them as content, its whole answer drops them
+        _base(tools=PLAIN, logit_bias={str(END_THINK): 3.0}, max_tokens=24),
+        _base(
+            tools=PLAIN, logit_bias={str(END_THINK): 2.0}, max_tokens=24, include_reasoning=False
+        ),
+        _base(tools=PLAIN, max_tokens=16),  # thinking on: all reasoning
+        {**_base(max_tokens=16, **NO_THINKING), "tools": None},
+        # a strict tool constrains "auto" too: the tool grammar or the regex (vLLM's "or")
+        _base(structured_outputs={"regex": "[a-z]{3,9}"}, **forced),
+    ]
+
+
+@pytest.fixture(scope="module")
+def no_spaces(qwen3_tok: ModelTokenizer) -> dict[str, float]:
+    ids = range(qwen3_tok.tokenizer_size)
+    return {str(i): -100.0 for i in ids if not qwen3_tok.decode_one(i).strip()}
+
+
+def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    for c in calls:
+        assert ID.match(c["id"]), c["id"]
+        assert c["type"] == "function"
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def _lp(logprobs: dict[str, Any] | None) -> list[tuple[str, float]] | None:
+    if logprobs is None:
+        return None
+    return [(e["token"], round(e["logprob"], 4)) for e in logprobs["content"] or []]
+
+
+def whole(resp: dict[str, Any]) -> dict[str, Any]:
+    choice = resp["choices"][0]
+    message = choice["message"]
+    return {
+        "content": message.get("content"),
+        "reasoning": message.get("reasoning"),
+        "calls": _calls(message.get("tool_calls") or []),
+        "finish": choice["finish_reason"],
+        "logprobs": _lp(choice.get("logprobs")),
+        "usage": resp["usage"],
+    }
+
+
+def streamed(raw: bytes) -> dict[str, Any]:
+    """A client's reassembly: text joined, calls by index, logprobs of every chunk."""
+    content, reasoning, finish = [], [], None
+    calls: dict[int, dict[str, Any]] = {}
+    logprobs: list[dict[str, Any]] | None = None
+    usage = None
+    for payload in sse_payloads(raw):
+        if payload == b"[DONE]":
+            break
+        chunk = json.loads(payload)
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            delta = c["delta"]
+            content += [delta["content"]] if delta.get("content") is not None else []
+            reasoning += [delta["reasoning"]] if delta.get("reasoning") is not None else []
+            for call in delta.get("tool_calls") or []:
+                found = calls.setdefault(call["index"], {"function": {"arguments": ""}})
+                found |= {k: call[k] for k in ("id", "type") if call.get(k)}
+                fn = call.get("function") or {}
+                found["function"]["name"] = fn.get("name") or found["function"].get("name")
+                found["function"]["arguments"] += fn.get("arguments") or ""
+            if c.get("logprobs") is not None:
+                logprobs = (logprobs or []) + (c["logprobs"]["content"] or [])
+            finish = c["finish_reason"] or finish
+    return {
+        "content": "".join(content) if content else None,
+        "reasoning": "".join(reasoning) if reasoning else None,
+        "calls": _calls([calls[i] for i in sorted(calls)]),
+        "finish": finish,
+        "logprobs": _lp({"content": logprobs}) if logprobs is not None else None,
+        "usage": usage,
+    }
+
+
+def _compare(theirs: dict[str, Any], ours: dict[str, Any], i: int) -> None:
+    for key in ("reasoning", "calls", "finish", "logprobs"):
+        assert ours[key] == theirs[key], (i, key, ours, theirs)
+    # a stream's content "" and null read the same to a client
+    assert (ours["content"] or None) == (theirs["content"] or None), (i, ours, theirs)
+
+
+PAIRS = ("hermes", "coder")
+
+
+@pytest.fixture(params=PAIRS)
+def pair(
+    request: pytest.FixtureRequest,
+    fleet: Fleet,
+    hermes_pipeline: Pipeline,
+    coder_pipeline: Pipeline,
+    no_spaces: dict[str, float],
+) -> tuple[str, str, str, list[dict[str, Any]]]:
+    """(name, oracle URL, tokenline URL, the requests)."""
+    name = request.param
+    if name == "hermes":
+        return name, fleet.oracle_hermes.url, hermes_pipeline.proxy.url, cases(name, no_spaces)
+    return name, fleet.oracle_coder.url, coder_pipeline.proxy.url, cases(name, no_spaces)
+
+
+Pair = tuple[str, str, str, list[dict[str, Any]]]
+
+
+def test_whole_answers_equal_vllms(pair: Pair) -> None:
+    _, oracle, proxy, bodies = pair
+    for i, body in enumerate(bodies):
+        s1, theirs = post(oracle + "/v1/chat/completions", body)
+        s2, ours = post(proxy + "/v1/chat/completions", body)
+        assert s1 == s2 == 200, (i, theirs, ours)
+        a, b = whole(theirs), whole(ours)
+        assert b["content"] == a["content"], (i, a, b)
+        _compare(a, b, i)
+        assert b["usage"] == a["usage"], (i, a["usage"], b["usage"])
+
+
+def test_streams_reassemble_to_vllms_whole_answer(pair: Pair) -> None:
+    _, oracle, proxy, bodies = pair
+    for i, body in enumerate(bodies):
+        _, theirs = post(oracle + "/v1/chat/completions", body)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        ours = streamed(post_raw(proxy + "/v1/chat/completions", stream))
+        _compare(whole(theirs), ours, i)
+        usage = {k: v for k, v in theirs["usage"].items() if v is not None}
+        assert {k: v for k, v in (ours["usage"] or {}).items() if k in usage} == {
+            k: v for k, v in usage.items() if k != "completion_tokens_details"
+        }, i
+
+
+def test_the_forced_outputs_are_what_the_cases_say(pair: Pair) -> None:
+    """The cases exercise what they claim (a guard on the forcing itself), and vLLM's facts."""
+    name, oracle, _, bodies = pair
+    answers = [whole(post(oracle + "/v1/chat/completions", b)[1]) for b in bodies]
+    if name == "hermes":
+        assert len(answers[1]["calls"]) == 1 and answers[1]["finish"] == "tool_calls"
+        assert answers[2]["calls"] and answers[2]["finish"] == "stop"  # named: "stop"
+        assert answers[2]["content"] == ""  # named and required: content or ""
+        assert answers[4]["content"]
+    else:  # deepseek_r1: a call forced without `</think>` first is reasoning to vLLM
+        assert not answers[2]["calls"] and "<tool_call>" in answers[2]["reasoning"]
+        # "required" that stopped is "tool_calls" even without a call (vLLM's rule)
+        assert not answers[1]["calls"] and answers[1]["finish"] == "tool_calls"
+    assert len(answers[4]["calls"]) == 1 and answers[4]["finish"] == "tool_calls"
+    assert len(answers[5]["calls"]) == 1  # two forced, parallel_tool_calls false keeps one
+    assert answers[6]["reasoning"] is None and answers[6]["logprobs"] is None
+    assert answers[6]["calls"]
+    assert answers[8]["reasoning"] and answers[8]["content"]
+    assert answers[11]["reasoning"] and answers[11]["content"] is None
+    assert answers[11]["usage"]["completion_tokens_details"] is not None
+
+
+def test_bad_tool_input_is_vllms_400(pair: Pair) -> None:
+    _, oracle, proxy, _ = pair
+    bad = [
+        _base(tool_choice={"type": "function", "function": {"name": "nope"}}),
+        {**_base(), "tools": []},
+        {**_base(tool_choice="required"), "tools": None},
+        {**_base(), "tools": [{"type": "function", "function": {"parameters": {}}}]},
+    ]
+    for i, body in enumerate(bad):
+        s1, theirs = post(oracle + "/v1/chat/completions", body)
+        s2, ours = post(proxy + "/v1/chat/completions", body)
+        assert s1 == s2 == 400, (i, theirs, ours)
