@@ -82,10 +82,11 @@ class Fleet:
     render_qwen3: Process
     prefill: Process  # P/D pair on tiny as `tokenline generate` runs it, NixlConnector, pinned
     decode: Process  # to cores 0 and 1
-    oracle_hermes: Process  # vllm serve on tiny-qwen3 with HERMES_QWEN3 (and its engine)
-    oracle_coder: Process  # the same with CODER_R1
-    render_hermes: Process  # vllm launch render on tiny-qwen3 with HERMES_QWEN3
-    render_coder: Process  # ... with CODER_R1
+    # vllm serve on tiny-qwen3 with HERMES_QWEN3, then CODER_R1: oracles, tokenline's engines
+    # for those flags, and vLLM's render for them (a served engine answers /render too; a
+    # `vllm launch render` each would cost a GB the fleet does not have)
+    oracle_hermes: Process
+    oracle_coder: Process
 
     @property
     def generate(self) -> Process:
@@ -105,8 +106,6 @@ class Fleet:
             self.decode,
             self.oracle_hermes,
             self.oracle_coder,
-            self.render_hermes,
-            self.render_coder,
         ]
 
 
@@ -141,19 +140,21 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
             "vllm-oracle-hermes", qwen3_model, "tiny-qwen3", *HERMES_QWEN3
         ),
         oracle_coder=servers.oracle("vllm-oracle-coder", qwen3_model, "tiny-qwen3", *CODER_R1),
-        render_hermes=servers.vllm_render(
-            "vllm-render-hermes", qwen3_model, "tiny-qwen3", *HERMES_QWEN3
-        ),
-        render_coder=servers.vllm_render("vllm-render-coder", qwen3_model, "tiny-qwen3", *CODER_R1),
     )
     try:
-        start_all(f.all(), 900)  # eleven vLLMs booting at once on a small CPU
-        if os.environ.get("TOKENLINE_REUSE_FLEET") == "1":
-            REUSE.write_text(json.dumps({k: v.port for k, v in vars(f).items()}))
-            yield f
-            return
+        start_all(f.all(), 900)  # nine vLLMs booting at once on a small CPU
+    except BaseException:
+        # a fleet that failed to start is stopped even when it would have been reused: left
+        # running, its survivors hold the memory the next attempt needs
+        for server in f.all():
+            server.stop()
+        raise
+    if os.environ.get("TOKENLINE_REUSE_FLEET") == "1":
+        REUSE.write_text(json.dumps({k: v.port for k, v in vars(f).items()}))
+        yield f
+        return
+    try:
         yield f
     finally:
-        if os.environ.get("TOKENLINE_REUSE_FLEET") != "1":
-            for server in f.all():
-                server.stop()
+        for server in f.all():
+            server.stop()

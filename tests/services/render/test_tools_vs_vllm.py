@@ -3,7 +3,7 @@
 - The structural tag (the grammar "required", named and some "auto" choices get) equals the JSON
   vLLM's own builder makes, in-process, for every choice, both tool parsers, strict tools and
   `parallel_tool_calls: false`.
-- Whole rendered requests equal `vllm launch render`'s started with the same parser flags:
+- Whole rendered requests equal vLLM's render (the oracle's) started with the same parser flags:
   prompt IDs, `skip_special_tokens`, `structured_outputs`, `reasoning_ended` and
   `reasoning_parser_kwargs`; bad input is the same 400 with vLLM's text.
 """
@@ -183,8 +183,8 @@ def _effective(params: dict[str, Any]) -> dict[str, Any]:
 
 
 FLAGS = {
-    "hermes": ("render_hermes", "hermes", "qwen3"),
-    "coder": ("render_coder", "qwen3_coder", "deepseek_r1"),
+    "hermes": ("oracle_hermes", "hermes", "qwen3"),
+    "coder": ("oracle_coder", "qwen3_coder", "deepseek_r1"),
 }
 
 
