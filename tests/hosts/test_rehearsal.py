@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.hosts.conftest import API_KEY, Rehearsal
+from tests.hosts.conftest import API_KEY, SERVED, Rehearsal
 from tests.hosts.network import Host
 from tests.proxy.conftest import engine_metric
 from tokenline.launch.bench.corpus import TEXTS
@@ -32,7 +32,7 @@ SHORT, LONG = 48, 400
 
 def body(i: int, max_tokens: int = SHORT) -> dict[str, Any]:
     return {
-        "model": "tiny",
+        "model": SERVED,
         "messages": [{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}],
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -72,7 +72,9 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: i
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            text += [c["delta"].get("content") or "" for c in chunk["choices"]]
+            for c in chunk["choices"]:  # reasoning and content: compose's Qwen3 parsers
+                delta = c["delta"]
+                text += [delta.get("reasoning") or "", "|", delta.get("content") or ""]
             usage = chunk.get("usage") or usage
     return json.dumps({"text": "".join(text), "usage": usage})
 
@@ -140,6 +142,8 @@ async def test_baseline_and_pd_moves_kv_between_hosts(rehearsal: Rehearsal) -> N
     async with aiohttp.ClientSession() as session:
         for i in range(12):  # one at a time: the reference texts
             BASELINE[i, SHORT] = await stream(session, rehearsal.proxy.url, i)
+    # the model writes something every time (so "identical" compares real text)
+    assert all(json.loads(BASELINE[i, SHORT])["text"].strip("|") for i in range(12))
     report = await workload(rehearsal, 12)
     report.show("P/D across hosts")
     assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
