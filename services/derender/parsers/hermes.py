@@ -24,8 +24,8 @@ from typing import Literal, NamedTuple
 
 from tokenline.services.derender.parsers.base import Leaf, LeafState
 from tokenline.services.derender.parsers.deepseek_r1 import partial_end
-from tokenline.services.derender.parsers.pieces import Content, Piece, TokenRange, ToolCallDelta
-from tokenline.services.derender.parsers.spans import release, tokens_of, track
+from tokenline.services.derender.parsers.pieces import Content, Piece, TokenRange
+from tokenline.services.derender.parsers.spans import call_deltas, release, tokens_of, track
 
 TAG = "<tool_call>"
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -102,17 +102,7 @@ class Hermes(Leaf[HermesState]):
         calls = parse_calls(state.held) if state.phase == "region" else None
         if calls is None:
             return self._rest(at)
-        region_at = at + len(state.lead)
-        return [
-            ToolCallDelta(
-                index=i,
-                id=self.options.new_id(),
-                name=call.name,
-                arguments=call.arguments,
-                tokens=tokens_of(state.spans, region_at + call.start, region_at + call.end),
-            )
-            for i, call in enumerate(calls)
-        ]
+        return call_deltas(calls, state.spans, at + len(state.lead), self.options.new_id)
 
     def _rest(self, at: int) -> list[Piece]:
         """Content when no call stands: all that is held (or `""` for present empty content)."""

@@ -28,8 +28,8 @@ import msgspec
 from tokenline.services.derender.parsers import qwen3_xml as xml
 from tokenline.services.derender.parsers.base import Leaf, LeafState
 from tokenline.services.derender.parsers.lexer import Lexeme, Literals, lex
-from tokenline.services.derender.parsers.pieces import Content, Piece, TokenRange, ToolCallDelta
-from tokenline.services.derender.parsers.spans import release, tokens_of, track
+from tokenline.services.derender.parsers.pieces import Content, Piece, TokenRange
+from tokenline.services.derender.parsers.spans import call_deltas, release, tokens_of, track
 
 Run = tuple[str, int]
 """Content text and the input offset it starts at."""
@@ -155,16 +155,7 @@ class Qwen3Coder(Leaf[Qwen3CoderState]):
     def _calls(self, scan: xml.Scan, region_at: int) -> list[Piece]:
         if self.options.tool_choice == "none":
             return []
-        return [
-            ToolCallDelta(
-                index=i,
-                id=self.options.new_id(),
-                name=call.name,
-                arguments=call.arguments,
-                tokens=tokens_of(self.state.spans, region_at + call.start, region_at + call.end),
-            )
-            for i, call in enumerate(scan.calls)
-        ]
+        return call_deltas(scan.calls, self.state.spans, region_at, self.options.new_id)
 
 
 def _split(runs: list[Run], cut: int) -> tuple[list[Run], list[Run]]:

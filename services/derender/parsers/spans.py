@@ -8,10 +8,12 @@ so the record is bounded by what the parser holds (its own documented bound).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 
-from tokenline.services.derender.parsers.pieces import TokenRange
+from tokenline.services.derender.parsers.pieces import Piece, TokenRange, ToolCallDelta
 
 
 class Spans(msgspec.Struct, kw_only=True):
@@ -50,3 +52,33 @@ def release(spans: Spans, upto: int) -> None:
         keep += 1
     if keep:
         del spans.segments[:keep]
+
+
+class FoundCall(Protocol):
+    """A tool call a parser found in its held text, at `[start, end)` of it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def arguments(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+def call_deltas(
+    calls: Sequence[FoundCall], spans: Spans, at: int, new_id: Callable[[], str]
+) -> list[Piece]:
+    """Each found call as one whole delta, with a fresh id and the tokens that produced it
+    (`at`: where the held text starts in the output)."""
+    return [
+        ToolCallDelta(
+            index=i,
+            id=new_id(),
+            name=call.name,
+            arguments=call.arguments,
+            tokens=tokens_of(spans, at + call.start, at + call.end),
+        )
+        for i, call in enumerate(calls)
+    ]
