@@ -123,6 +123,25 @@ def _reused() -> Fleet | None:
     return Fleet(**found) if all(s.healthy() for s in found.values()) else None
 
 
+STARTED: list[Fleet] = []
+"""The fleet this session started (stopped after its last user: `pytest_runtest_teardown`)."""
+LAST_USER: list[pytest.Item] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Remember the last test that needs the fleet: the tests after it (`tokenline up` with its
+    own engines) get the memory nine vLLMs hold."""
+    users = [item for item in items if "fleet" in getattr(item, "fixturenames", ())]
+    LAST_USER[:] = users[-1:]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if LAST_USER and item is LAST_USER[0] and nextitem is not None:
+        for fleet in STARTED:
+            for server in fleet.all():
+                server.stop()
+
+
 @pytest.fixture(scope="session")
 def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
     if (reused := _reused()) is not None:
@@ -153,6 +172,7 @@ def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
         REUSE.write_text(json.dumps({k: v.port for k, v in vars(f).items()}))
         yield f
         return
+    STARTED.append(f)
     try:
         yield f
     finally:
