@@ -22,7 +22,7 @@ from tests.hosts.network import Host, Network, network
 from tokenline.launch.process import Process, wait_all
 
 ROOT = str(Path(__file__).resolve().parents[2])
-SERVED = "tiny-qwen3"
+SERVED = "tiny"
 API_KEY = "rehearsal-key"
 GENERATE_KEY = "rehearsal-generate-key"
 RESOLVE_INTERVAL = 10.0  # the proxy's (ProxyConfig.resolve_interval)
@@ -90,11 +90,10 @@ class Rehearsal:
 
 
 @pytest.fixture(scope="module")
-def rehearsal(qwen3_model: Path) -> Iterator[Rehearsal]:
-    """On the Qwen3-vocabulary model: compose.yaml's parsers (hermes, qwen3) need its tokens."""
+def rehearsal(tiny_model: Path) -> Iterator[Rehearsal]:
     variables = {"TOKENLINE_API_KEY": API_KEY, "TOKENLINE_GENERATE_API_KEY": GENERATE_KEY}
     with network() as net:
-        r = Rehearsal(net, services(str(qwen3_model), SERVED, variables))
+        r = Rehearsal(net, services(str(tiny_model), SERVED, variables))
         backends = [
             r.start(service, i)
             for service, count in REPLICAS.items()

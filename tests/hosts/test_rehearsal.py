@@ -61,7 +61,9 @@ class Report:
 async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int = SHORT) -> str:
     """One greedy stream's text and usage; an HTTP or in-band error raises."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    text, usage = [], None
+    reasoning: list[str] = []
+    text: list[str] = []
+    usage = None
     sent = body(i, max_tokens)
     async with session.post(url + "/v1/chat/completions", json=sent, headers=headers) as resp:
         if resp.status != 200:
@@ -72,11 +74,11 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: i
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            for c in chunk["choices"]:  # reasoning and content: compose's Qwen3 parsers
-                delta = c["delta"]
-                text += [delta.get("reasoning") or "", "|", delta.get("content") or ""]
+            for c in chunk["choices"]:  # reasoning (with parsers) and content
+                reasoning += [c["delta"].get("reasoning") or ""]
+                text += [c["delta"].get("content") or ""]
             usage = chunk.get("usage") or usage
-    return json.dumps({"text": "".join(text), "usage": usage})
+    return json.dumps({"reasoning": "".join(reasoning), "text": "".join(text), "usage": usage})
 
 
 async def workload(
@@ -143,7 +145,7 @@ async def test_baseline_and_pd_moves_kv_between_hosts(rehearsal: Rehearsal) -> N
         for i in range(12):  # one at a time: the reference texts
             BASELINE[i, SHORT] = await stream(session, rehearsal.proxy.url, i)
     # the model writes something every time (so "identical" compares real text)
-    assert all(json.loads(BASELINE[i, SHORT])["text"].strip("|") for i in range(12))
+    assert all(json.loads(BASELINE[i, SHORT])["text"] for i in range(12))
     report = await workload(rehearsal, 12)
     report.show("P/D across hosts")
     assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
