@@ -34,7 +34,7 @@ from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.routes import ADMISSION, HOPS, TOKENS_ONLY, chat_completions, completions
 from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.utility import add_utility_routes
-from tokenline.shared.errors import ServiceError, Unauthorized
+from tokenline.shared.errors import ShuttingDown, Unauthorized
 from tokenline.shared.http import Handler, error_response, json_response, make_base_app
 from tokenline.shared.metrics import CLIENT_GONE
 
@@ -46,15 +46,6 @@ LOGGED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 ALWAYS_SERVED = frozenset({"/health", "/metrics"})
 """Answered while draining too: load balancers and scrapers watch the drain through them."""
 CUT_GRACE = 2.0  # seconds cut requests get to close their streams and send their aborts
-
-
-class ShuttingDown(ServiceError):
-    """503 for a request that arrives while the proxy drains: another replica can serve it."""
-
-    status, kind = 503, "ServiceUnavailableError"
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"}
 
 
 @dataclass

@@ -7,6 +7,7 @@
     ├── NotFound                 404 NotFoundError            (unknown model)
     ├── PayloadTooLarge          413 BadRequestError
     ├── Overloaded               429 TooManyRequests
+    │   └── ShuttingDown         503 ServiceUnavailableError  (the proxy drains: another replica)
     ├── UpstreamRejected         4xx as the hop said           (a hop refused the request)
     ├── UpstreamFailed           5xx as the hop said           (a hop failed the request in its
     │                                                          error envelope: not retried on
@@ -87,6 +88,12 @@ class Overloaded(ServiceError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)}
+
+
+class ShuttingDown(Overloaded):
+    """503 for a request that arrives while the proxy drains: another replica can serve it."""
+
+    status, kind = 503, "ServiceUnavailableError"
 
 
 class UpstreamRejected(ServiceError):

@@ -74,6 +74,16 @@ async def exit_code(proxy: Process) -> int:
     return await asyncio.to_thread(proxy.proc.wait, 10)
 
 
+async def draining(session: aiohttp.ClientSession, proxy: Process, within: float = 10) -> bool:
+    """Whether /health reports draining within `within` s of the signal."""
+    for _ in range(int(within / 0.05)):
+        async with session.get(proxy.url + "/health") as health:
+            if health.status == 503 and (await health.json())["status"] == "draining":
+                return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 async def read_until_cut(stream: aiohttp.ClientResponse) -> bytes:
     """Everything the stream carries; raises unless it ends in a broken connection."""
     received = b""
@@ -96,9 +106,7 @@ async def test_sigterm_refuses_new_requests_and_lets_the_stream_finish(
             assert stream.status == 200
             await stream.content.readline()
             terminate(proxy)
-            async with session.get(proxy.url + "/health") as health:
-                assert health.status == 503
-                assert (await health.json())["status"] == "draining"
+            assert await draining(session, proxy)  # the signal is handled asynchronously
             async with session.post(proxy.url + "/v1/chat/completions", json=BODY) as refused:
                 assert refused.status == 503 and refused.headers["Retry-After"] == "1"
                 assert (await refused.json())["error"]["type"] == "ServiceUnavailableError"
