@@ -248,8 +248,21 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     victim = rehearsal.processes["generate-decode-0"]
     before = proxy_metric(rehearsal, "tokenline_proxy_migrations_total")
 
+    def progress() -> tuple[float, float]:
+        return (
+            engine_metric(victim, "vllm:num_requests_running"),
+            engine_metric(victim, "vllm:generation_tokens_total"),
+        )
+
+    generated = progress()[1]
+
     async def kill() -> None:
-        await asyncio.sleep(1.0)  # well into the streams
+        # once streams run on the victim and have sent output (else they rerun, not migrate)
+        for _ in range(200):
+            running, done = await asyncio.to_thread(progress)
+            if running >= 1 and done > generated + 40:
+                break
+            await asyncio.sleep(0.05)
         victim.stop(signal.SIGKILL)
 
     report = await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG)
