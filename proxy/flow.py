@@ -130,22 +130,14 @@ def prefill_request(gen: GenerateRequest) -> GenerateRequest:
 
 # --------------------------------------------------------------------------- engine capabilities
 
-TOKENIZER_FIELDS = ("response_format", "structured_outputs", "bad_words")
-"""Client fields only an engine with a tokenizer can honour (a grammar needs the vocabulary;
-bad words are tokenized by the engine)."""
-
 
 def needs_tokenizer(client: ClientRequest, gens: list[GenerateRequest]) -> str | None:
-    """The client field that needs the engine's tokenizer, if the rendered request uses one
-    (render may also derive a constraint itself, e.g. from `tool_choice`)."""
+    """The client field that needs the engine's tokenizer, if the rendered request uses one:
+    a grammar needs the vocabulary, and bad words are tokenized by the engine."""
     params = gens[0].sampling_params
-    if params.structured_outputs is None and not params.bad_words:
-        return None
-    for name in TOKENIZER_FIELDS:
-        value = getattr(client, name, None)
-        if value and not (name == "response_format" and value.get("type") == "text"):
-            return name
-    return "tool_choice"
+    if params.structured_outputs is not None:
+        return constraint_field(client) or "tool_choice"
+    return "bad_words" if params.bad_words else None
 
 
 def constraint_field(client: ClientRequest) -> str | None:

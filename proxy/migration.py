@@ -42,7 +42,8 @@ def why_not(gen: GenerateRequest) -> str | None:
 
 
 def continuation(gen: GenerateRequest, generated: list[int], attempt: int) -> GenerateRequest:
-    """`gen` continued after `generated` output tokens, under a fresh engine id."""
+    """`gen` continued after `generated` output tokens, under a fresh engine id, as the rest of
+    a stream already under way."""
     params = gen.sampling_params
     left = params.max_tokens
     if isinstance(left, int):
@@ -57,4 +58,5 @@ def continuation(gen: GenerateRequest, generated: list[int], attempt: int) -> Ge
         token_ids=[*gen.token_ids, *generated],
         sampling_params=msgspec.structs.replace(params, **changes),
         kv_transfer_params=None,
+        return_token_ids=None,  # the client got the prompt's IDs with the stream's first chunk
     )

@@ -48,7 +48,7 @@ def sse(payload: bytes) -> bytes:
 
 def events(chunks: list[Any]) -> bytes:
     """Chunks as consecutive SSE events."""
-    return b"".join(b"data: " + JSON.encode(c) + b"\n\n" for c in chunks)
+    return b"".join(sse(JSON.encode(c)) for c in chunks)
 
 
 def hop_headers(request: web.Request) -> HopHeaders:

@@ -165,7 +165,6 @@ class Streaming:
             )  # fmt: skip
             self.hops.metrics.migrations.inc()
             more = continuation(gen, self.flow.generated(p), attempt)
-            more = msgspec.structs.replace(more, return_token_ids=None)  # sent already
             try:
                 await self._decode(p, more, None, tried)
                 return

@@ -6,13 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Literal
 
-from tokenline.services.derender.parsers.registry import ReasoningParserName, ToolParserName
+from tokenline.services.derender.parsers.registry import ParsingService
 from tokenline.services.render.bounds import Bounds
 from tokenline.shared.config import CommandLine, Option, Port, Positive
-from tokenline.shared.served import MODEL_OPTIONS, ModelService
+from tokenline.shared.served import MODEL_OPTIONS
 
 
-class RenderConfig(ModelService, frozen=True, kw_only=True):
+class RenderConfig(ParsingService, frozen=True, kw_only=True):
     port: Port = 8100
     # Measured (tests/bench/render.py, this 2-core machine, tiny model): threads served
     # 1.26-1.40x the requests/s of worker processes at every concurrency (1-64); the process
@@ -25,12 +25,6 @@ class RenderConfig(ModelService, frozen=True, kw_only=True):
     """A Jinja template overriding the model's (on the command line: a file, read at start)."""
     trust_request_chat_template: bool = False
     """Accept a `chat_template` sent in a request."""
-    enable_auto_tool_choice: bool = False
-    """Parse tool calls for `tool_choice: "auto"` (vLLM's flag; needs --tool-call-parser)."""
-    tool_call_parser: ToolParserName | None = None
-    """vLLM's tool-call parser to mirror (unset: none)."""
-    reasoning_parser: ReasoningParserName | None = None
-    """vLLM's reasoning parser to mirror (unset: none)."""
     max_stops: Positive = 128
     """Stop strings a request may send."""
     max_stop_chars: Positive = 1024
@@ -47,10 +41,6 @@ class RenderConfig(ModelService, frozen=True, kw_only=True):
             max_choices=self.max_choices,
             max_logprob_entries=self.max_logprob_entries,
         )
-
-    def __post_init__(self) -> None:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 CLI = CommandLine(

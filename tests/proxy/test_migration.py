@@ -17,6 +17,7 @@ def gen(**params: Any) -> GenerateRequest:
         token_ids=[5, 6, 7],
         sampling_params=SamplingParams(**(base | params)),
         kv_transfer_params={"remote_engine_id": "p"},
+        return_token_ids=True,
     )
 
 
@@ -27,6 +28,7 @@ def test_the_continuation_appends_the_output_and_spends_the_budgets() -> None:
     assert more.sampling_params.min_tokens == 0
     assert more.request_id == "tl-x-0-m1"
     assert more.kv_transfer_params is None  # the new engine computes the prompt itself
+    assert more.return_token_ids is None  # the client has the prompt's IDs already
     assert more.sampling_params.temperature == 0.0  # everything else unchanged
     early = continuation(gen(), [11], attempt=2)
     assert early.sampling_params.min_tokens == 2

@@ -16,6 +16,7 @@ from tokenline.services.derender.parsers.deepseek_r1 import DeepSeekR1, DeepSeek
 from tokenline.services.derender.parsers.hermes import Hermes, HermesState
 from tokenline.services.derender.parsers.qwen3 import Qwen3, Qwen3State
 from tokenline.services.derender.parsers.qwen3_coder import Qwen3Coder, Qwen3CoderState
+from tokenline.shared.served import ModelService
 
 ReasoningParserName = Literal["qwen3", "deepseek_r1"]
 """`--reasoning-parser` values (the keys of `REASONING_PARSERS`)."""
@@ -113,3 +114,19 @@ TOOL_PARSERS: dict[str, ToolSpec] = {
 
 assert set(REASONING_PARSERS) == set(get_args(ReasoningParserName))
 assert set(TOOL_PARSERS) == set(get_args(ToolParserName))
+
+
+class ParsingService(ModelService, frozen=True, kw_only=True):
+    """Base of the configs of the services that mirror vLLM's parsers (render, derender), with
+    vLLM's flags."""
+
+    enable_auto_tool_choice: bool = False
+    """Parse tool calls for `tool_choice: "auto"` (vLLM's flag; needs --tool-call-parser)."""
+    tool_call_parser: ToolParserName | None = None
+    """vLLM's tool-call parser to mirror (unset: none)."""
+    reasoning_parser: ReasoningParserName | None = None
+    """vLLM's reasoning parser to mirror (unset: none)."""
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
