@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline.launch.cli import child_argv
@@ -31,6 +32,7 @@ __all__ = [
     "free_port",
     "generate_double",
     "generate_role",
+    "grpc_engine",
     "log_file",
     "oracle",
     "start_all",
@@ -71,12 +73,19 @@ def vllm(name: str, config: GenerateConfig) -> Process:
 
 
 def _peer(
-    name: str, mode: Mode, model: Path, served: str, *extra: str, tokens_only: bool = False
+    name: str,
+    mode: Mode,
+    model: Path,
+    served: str,
+    *extra: str,
+    tokens_only: bool = False,
+    grpc: bool = False,
 ) -> Process:
     config = GenerateConfig(
         model=str(model),
         mode=mode,
         tokens_only=tokens_only,
+        grpc=grpc,
         port=free_port(),
         served_model_name=served,
         prompt_tokens_details=False,
@@ -94,6 +103,35 @@ def oracle(name: str, model: Path, served: str, *extra: str) -> Process:
     """Monolithic `vllm serve` with its tokenizer and scale-out routes on: our oracle, and the
     same command line as tokenline's generate tier (which only ever asks it for token IDs)."""
     return _peer(name, "engine", model, served, *extra)
+
+
+@dataclass
+class GrpcProcess(Process):
+    """A server speaking gRPC only: up once the standard gRPC health service says SERVING
+    (vLLM's servicer says so after its warm-up)."""
+
+    @property
+    def url(self) -> str:
+        return f"grpc://{self.host}:{self.port}"
+
+    def healthy(self) -> bool:
+        import grpc  # only benchmarks start gRPC servers
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"{self.host}:{self.port}") as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+            except grpc.RpcError:
+                return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def grpc_engine(name: str, model: Path, served: str, *extra: str) -> Process:
+    """vLLM's gRPC generate server (`vllm serve --grpc`) with the oracle's engine flags."""
+    plain = _peer(name, "engine", model, served, *extra, grpc=True)
+    return GrpcProcess(plain.name, plain.argv, plain.port, env=plain.env, output=plain.output)
 
 
 def vllm_render(name: str, model: Path, served: str, *extra: str) -> Process:

@@ -33,7 +33,8 @@ fi
 "$VENV/bin/python" -c "import nixl" 2>/dev/null || \
   "${PIP[@]}" install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
-"${PIP[@]}" install -e ".[dev]"
+# grpc: vLLM's gRPC generate server, for the generate-hop benchmark (launch/bench/grpc.py).
+"${PIP[@]}" install -e ".[dev,grpc]"
 # The installed layout (one import name, `tokenline`) as links, for mypy, which cannot follow
 # setuptools' editable import hook.
 mkdir -p build/src/tokenline

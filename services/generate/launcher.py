@@ -72,6 +72,10 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     `tokenline generate` has it on; the tests' shared tokens-only engine and oracles do not."""
     extra_args: tuple[str, ...] = ()
     """Passed to vLLM last (`tokenline generate`: arguments it does not know itself)."""
+    grpc: bool = False
+    """Serve smg's gRPC `VllmEngine` service (`vllm serve --grpc`, smg-grpc-servicer) instead
+    of HTTP, with the same engine flags: benchmarks only (`tokenline.launch.bench.grpc`); the
+    proxy does not speak it (its proto has no `priority`, `cache_salt`, `bad_words`...)."""
 
     def __post_init__(self) -> None:
         if self.role != "both" and self.mode != "engine":
@@ -128,7 +132,7 @@ def command(config: GenerateConfig) -> list[str]:
         head = ["launch", "render", config.model]
     else:
         tokenizer = "--tokens-only" if config.tokens_only else "--enable-scale-out"
-        head = ["serve", config.model, tokenizer]
+        head = ["serve", config.model, "--grpc" if config.grpc else tokenizer]
     cmd = [
         vllm_executable(config.vllm_bin),
         *head,
@@ -162,6 +166,9 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
     if config.cpu_cores is not None:
         # Disjoint cores per instance: a prefill holding KV busy-steps and starves its peers.
         env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+    if config.grpc:
+        # Otherwise the servicer turns vLLM's KV-event publisher on, on every interface.
+        env["SMG_VLLM_SERVICER_KV_EVENTS"] = "0"
     if config.nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_port)
     if config.role != "both":
@@ -172,7 +179,7 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
 
 
 # `tokenline generate` is the generate tier: an engine, with prompt token details.
-CLI = CommandLine(GenerateConfig, exclude=("mode", "prompt_tokens_details", "extra_args"))
+CLI = CommandLine(GenerateConfig, exclude=("mode", "prompt_tokens_details", "extra_args", "grpc"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
