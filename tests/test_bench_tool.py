@@ -1,23 +1,31 @@
 """The benchmark tool's own pieces (not speed): a seeded mix, the generate double speaking the
-wire format, the closed loop's counting, and the Markdown/JSON/PNG report."""
+wire format, the closed loop's counting, the Markdown/JSON/PNG report, the exactness check's
+parsing and comparing, the gateway's and vLLM gRPC server's command lines, CPU accounting, and
+one short real run of the gateway target."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 
-from tokenline.launch.bench import double
-from tokenline.launch.bench.pipeline import (
-    EngineTarget,
-    Spec,
-    closed_loop,
-    markdown,
-    plots,
-    request_mix,
-)
+from tokenline.launch import servers
+from tokenline.launch.bench import cpu, double, lineup, pipeline
+from tokenline.launch.bench import exactness as ex
+from tokenline.launch.bench import gateway as smg
+from tokenline.launch.bench.load import EngineTarget, Spec, closed_loop, request_mix
+from tokenline.launch.bench.report import markdown, plots
+from tokenline.launch.process import Process
 from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
 
 
@@ -45,6 +53,7 @@ async def test_double_speaks_generate_and_the_loop_counts() -> None:
         assert point.samples and all(s.ok and s.tokens == 8 for s in point.samples)
         summary = point.summary()
         assert summary["output_tokens_per_s"] == 8 * len(point.samples) / point.seconds
+        assert summary["tokens_per_request"] == 8
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/inference/v1/generate", json=body) as resp:
                 whole = GENERATE_RESPONSE.decode(await resp.read())
@@ -52,39 +61,390 @@ async def test_double_speaks_generate_and_the_loop_counts() -> None:
                 url + "/inference/v1/generate", json={**body, "stream": True}
             ) as resp:
                 lines = [line async for line in resp.content if line.startswith(b"data: {")]
+            # the exactness check's reader takes the engine's answers, whole and streamed
+            streamed = await ex.ask(
+                session, url + "/inference/v1/generate", {**body, "stream": True}
+            )
         assert whole.choices[0].token_ids and len(whole.choices[0].token_ids) == 8
         chunks = [GENERATE_CHUNK.decode(line[6:].strip()) for line in lines]
         assert [c.choices[0].token_ids[0] for c in chunks] == whole.choices[0].token_ids  # type: ignore[index]
+        assert streamed.token_ids == tuple(whole.choices[0].token_ids)
+        assert streamed.entries is not None and len(streamed.entries) == 8
+        assert streamed.finish_reason == "length" and streamed.text is None
     finally:
         await server.close()
 
 
+# --------------------------------------------------------------------------- report
+
+
+def _point(t: str, c: int, r: float, front: float | None) -> dict[str, Any]:
+    return {
+        "target": t,
+        "level": c,
+        "requests_per_s": r * c,
+        "output_tokens_per_s": 10 * r * c,
+        "ttft_p50_ms": 5.0 / r,
+        "ttft_p99_ms": 9.0,
+        "itl_p50_ms": 1.0,
+        "itl_p99_ms": 2.0,
+        "e2e_p50_ms": 50.0,
+        "errors": 0.0,
+        "output_tokens": 100.0,
+        "tokens_per_request": 64.0,
+        "cpu_front_us": front,
+        "cpu_server_us": 40.0,
+        "cpu_core_us": 300.0,
+    }
+
+
+RATES = (("monolithic", 1.25, None), ("engine", 2.0, None), ("tokenline", 1.0, 120.0))
+RATES += (("gateway", 0.8, 50.0),)
+
+
 def test_report_files(tmp_path: Path) -> None:
+    cases = {"chat, streamed": {"tokenline": {"text": None, "logprobs": None}}}
+    cases["chat, streamed"]["gateway"] = {"text": None, "logprobs": "13 entries, vLLM 24 entries"}
     result = {
         "mode": "vllm",
         "load": "c",
         "duration_s": 1.0,
         "requests_in_mix": 4,
-        "points": [
-            {
-                "target": t,
-                "level": c,
-                "requests_per_s": r * c,
-                "output_tokens_per_s": 10 * r * c,
-                "ttft_p50_ms": 5.0 / r,
-                "ttft_p99_ms": 9.0,
-                "itl_p50_ms": 1.0,
-                "itl_p99_ms": 2.0,
-                "e2e_p50_ms": 50.0,
-                "errors": 0.0,
-            }
-            for t, r in (("tokenline", 1.0), ("monolithic", 1.25), ("engine", 2.0))
-            for c in (1, 4)
-        ],
+        "sequential": True,
+        "skipped": {},
+        "points": [_point(t, c, r, f) for t, r, f in RATES for c in (1, 4)],
+        "exactness": {"cases": cases},
     }
     text = markdown(result)
     assert "tokenline/monolithic: output tokens/s 0.80x" in text
     assert "tokenline/engine: output tokens/s 0.50x" in text
+    assert "tokenline/gateway: output tokens/s 1.25x" in text
+    assert "gateway/monolithic: output tokens/s 0.64x" in text
+    assert "goal tokenline >= the gateway: met (1.25x)" in text
+    assert "goal tokenline >= 1.0x monolithic with TTFT p50 no worse: not met (0.80x" in text
+    # every target side by side, tokenline first; CPU per token where it is spent
+    rows = [line for line in text.splitlines() if line.startswith("| ")][:5]
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| tokenline",
+        "| gateway",
+        "| monolithic",
+        "| engine",
+    ]
+    assert "| tokenline | 1.0 | 10 | 0.80x |" in text and "| 120 | 40 | 300 |" in text
+    assert "| monolithic | 1.2 | 12 | 1.00x |" in text and "| — | 40 | 300 |" in text
+    assert "| chat, streamed | equal | logprobs: 13 entries, vLLM 24 entries |" in text
+    assert "tokenline: 1/1 cases equal, gateway: 0/1 cases equal" in text
     written = plots(result, tmp_path)
-    assert [p.name for p in written] == ["vllm-output_tokens_per_s.png", "vllm-ttft_p50_ms.png"]
+    assert [p.name for p in written] == [
+        "vllm-output_tokens_per_s.png",
+        "vllm-ttft_p50_ms.png",
+        "vllm-itl_p50_ms.png",
+        "vllm-cpu_per_token.png",
+    ]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_report_names_a_skipped_target() -> None:
+    result = {
+        "mode": "vllm",
+        "load": "c",
+        "duration_s": 1.0,
+        "skipped": {"gateway": "--no-gateway"},
+        "points": [_point(t, 16, r, f) for t, r, f in RATES if t != "gateway"],
+    }
+    text = markdown(result)
+    assert "gateway: not measured (--no-gateway)" in text
+    assert "| gateway |" not in text and "tokenline/gateway" not in text
+
+
+# --------------------------------------------------------------------------- exactness
+
+VLLM_CHUNKS: list[dict[str, Any]] = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}]},
+    # a token whose bytes are incomplete UTF-8: no text yet, but its logprob entry
+    {
+        "choices": [
+            {
+                "delta": {"content": ""},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "",
+                            "logprob": -6.464268684387207,
+                            "top_logprobs": [
+                                {"token": "", "logprob": -6.464268684387207},
+                                {"token": "фД", "logprob": -6.61373233795166},
+                            ],
+                        }
+                    ]
+                },
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "delta": {"content": "��Д"},
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "Д",
+                            "logprob": -6.316317081451416,
+                            "top_logprobs": [{"token": "Д", "logprob": -6.316317081451416}],
+                        }
+                    ]
+                },
+                "finish_reason": "stop",
+                "stop_reason": "ab",
+            }
+        ]
+    },
+    {"choices": [], "usage": {"completion_tokens": 2}},
+]
+
+
+def _gateway_chunks() -> list[dict[str, Any]]:
+    """What the gateway streams for the same answer: the held-back token's entry dropped,
+    logprobs in their shortest float32 form, no stop reason."""
+    last = {
+        "delta": {"content": "��Д"},
+        "logprobs": {
+            "content": [
+                {
+                    "token": "Д",
+                    "logprob": -6.316317,
+                    "top_logprobs": [{"token": "Д", "logprob": -6.316317}],
+                }
+            ]
+        },
+        "finish_reason": "stop",
+    }
+    return [VLLM_CHUNKS[0], {"choices": [last]}, VLLM_CHUNKS[3]]
+
+
+def test_streams_reassemble_and_float32_logprobs_compare_equal() -> None:
+    want = ex.parse_stream(VLLM_CHUNKS)
+    assert want.text == "��Д" and want.finish_reason == "stop" and want.stop_reason == "ab"
+    assert want.completion_tokens == 2 and want.entries is not None and len(want.entries) == 2
+    assert ex.compare(want, want) == {
+        "text": None,
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "completion_tokens": None,
+    }
+    assert ex.f32(-6.316317) == ex.f32(-6.316317081451416)
+    got = ex.parse_stream(_gateway_chunks())
+    diffs = ex.compare(want, got)
+    assert diffs["text"] is None and diffs["completion_tokens"] is None
+    assert diffs["logprobs"] == "1 entries, vLLM 2 entries"
+    assert diffs["stop_reason"] == "None, vLLM 'ab'"
+    # the same entries, only printed at float32: equal
+    only_last = ex.parse_stream([VLLM_CHUNKS[2]])
+    assert ex.entries_diff(only_last.entries, got.entries) is None
+
+
+def test_whole_answers_and_missing_logprobs() -> None:
+    vllm_whole = {
+        "choices": [
+            {
+                "text": "ab",
+                "logprobs": {
+                    "tokens": ["a", "b"],
+                    "token_logprobs": [-1.0, -2.0],
+                    "top_logprobs": [{"a": -1.0, "x": -3.0}, {"b": -2.0, "y": -2.5}],
+                },
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
+        "usage": {"completion_tokens": 2},
+    }
+    want = ex.parse_whole(vllm_whole)
+    assert want.entries == (
+        ex.Entry("a", -1.0, (("a", -1.0), ("x", -3.0))),
+        ex.Entry("b", -2.0, (("b", -2.0), ("y", -2.5))),
+    )
+    dropped = {"choices": [{"text": "ab", "finish_reason": "length"}], "usage": vllm_whole["usage"]}
+    diffs = ex.compare(want, ex.parse_whole(dropped))
+    assert diffs["logprobs"] == "no logprobs, vLLM 2 entries"
+    assert diffs["stop_reason"] is None  # absent and null are the same for a length finish
+    swapped = {"choices": [{**vllm_whole["choices"][0], "text": "ba"}], "usage": {}}  # type: ignore[dict-item]
+    assert ex.compare(want, ex.parse_whole(swapped))["text"] == "'ba', vLLM 'ab'"
+    assert ex.compare(want, ex.Answer(error="500 boom")) == {"answer": "error: 500 boom"}
+
+
+def test_engine_answers_compare_by_token_id_and_value() -> None:
+    want = ex.Answer(
+        text="ab",
+        entries=(ex.Entry("a", -1.0, (("a", -1.0), ("x", -3.0))),),
+        token_ids=(7,),
+        finish_reason="length",
+        completion_tokens=1,
+    )
+    engine = ex.Answer(
+        entries=(ex.Entry(7, -1.0, ((7, -1.0), (9, -3.0))),),
+        token_ids=(7,),
+        finish_reason="length",
+        completion_tokens=1,
+    )
+    assert all(v is None for v in ex.compare(want, engine, engine=True).values())
+    other = ex.Answer(**{**engine.__dict__, "token_ids": (8,)})
+    assert ex.compare(want, other, engine=True)["token_ids"] == "token IDs differ"
+
+
+def test_stop_strings_come_from_the_reference_text() -> None:
+    assert ex.stop_string("ab cd\ufffdef gh") == "cd"  # from a third of the way in
+    assert ex.stop_string("abc d\ufffdef gh") == "ef"  # whole characters only, no space
+    assert ex.stop_string("a b c") is None
+    base = ex.cases()
+    assert {c.name for c in base} == {
+        "chat, streamed",
+        "chat, whole",
+        "completion, streamed",
+        "completion, whole",
+    }
+    assert all(c.body["temperature"] == 0.0 for c in base)
+    reference = {
+        "chat, streamed": ex.Answer(text="xxxxxxHello"),
+        "chat, whole": ex.Answer(text="zz"),
+    }
+    stops = ex.with_stops(base, reference)
+    assert [(c.name, c.body["stop"], c.stream) for c in stops] == [
+        ("chat, streamed, stop string", ["xx"], True)
+    ]
+
+
+def test_judge_and_its_table() -> None:
+    good = ex.parse_stream(VLLM_CHUNKS)
+    answers = {
+        "monolithic": {"chat, streamed": good},
+        "tokenline": {"chat, streamed": good},
+        "gateway": {"chat, streamed": ex.parse_stream(_gateway_chunks())},
+    }
+    verdicts = ex.judge(answers)
+    assert verdicts.matches("tokenline") == (1, 1)
+    assert verdicts.matches("gateway") == (0, 1)
+    table = ex.markdown(verdicts)
+    assert (
+        "| chat, streamed | equal "
+        "| logprobs: 1 entries, vLLM 2 entries<br>stop_reason: None, vLLM 'ab' |" in table
+    )
+
+
+# --------------------------------------------------------------------------- lineup
+
+
+def test_gateway_command_line_is_grpc_mode_on_loopback() -> None:
+    argv = smg.gateway_argv("/x/smg", 8001, 8002, "grpc://127.0.0.1:9000", Path("/m"))
+    assert argv[:2] == ["/x/smg", "launch"]
+    pairs = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert pairs["--worker-urls"] == "grpc://127.0.0.1:9000"
+    assert pairs["--host"] == pairs["--prometheus-host"] == "127.0.0.1"
+    assert pairs["--port"] == "8001" and pairs["--prometheus-port"] == "8002"
+    assert pairs["--model-path"] == "/m" and pairs["--policy"] == "passthrough"
+    assert "--disable-retries" in argv and "--disable-circuit-breaker" in argv
+
+
+def test_gateway_engine_runs_the_monolithic_engine_flags(tmp_path: Path) -> None:
+    """vLLM behind the gateway gets the reference's engine settings, so answers compare."""
+    grpc = servers.grpc_engine("g", tmp_path, "tiny")
+    mono = servers.oracle("m", tmp_path, "tiny")
+
+    def flags(argv: list[str]) -> list[str]:
+        rest = argv[3:]  # vllm serve MODEL
+        i = rest.index("--port")
+        return rest[:i] + rest[i + 2 :]
+
+    assert grpc.argv[1:3] == mono.argv[1:3] == ["serve", str(tmp_path)]
+    assert flags(grpc.argv) == ["--grpc", *flags(mono.argv)[1:]]
+    assert "--dtype" in grpc.argv and grpc.argv[grpc.argv.index("--dtype") + 1] == "float32"
+    assert grpc.env is not None and grpc.env["SMG_VLLM_SERVICER_KV_EVENTS"] == "0"
+    assert grpc.url.startswith("grpc://127.0.0.1:")
+
+
+def test_proxy_generate_transport_hook() -> None:
+    assert lineup.proxy_generate_args("http", "http://e") == ["--decode", "http://e"]
+    if lineup.grpc_transport_ready():
+        assert "--generate-transport" in lineup.proxy_generate_args("grpc", "grpc://e")
+    else:
+        with pytest.raises(SystemExit, match="no gRPC generate transport yet"):
+            lineup.proxy_generate_args("grpc", "grpc://e")
+
+
+def test_groups_run_together_unless_memory_is_short(tmp_path: Path) -> None:
+    assert pipeline.one_at_a_time("auto", engines=3, free_gib=20.0) is False
+    assert pipeline.one_at_a_time("auto", engines=3, free_gib=9.0) is True
+    assert pipeline.one_at_a_time("yes", engines=0, free_gib=100.0) is True
+    assert pipeline.one_at_a_time("no", engines=9, free_gib=1.0) is False
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24000000 kB\nMemAvailable: 2097152 kB\n")
+    assert pipeline.available_gib(meminfo) == 2.0
+
+
+def _args(**over: Any) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    pipeline.add_arguments(parser)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **over})
+
+
+def test_plan_skips_the_gateway_when_asked_or_on_the_double(tmp_path: Path) -> None:
+    skipped = pipeline.plan(_args(no_gateway=True), tmp_path, [])
+    assert (len(skipped.groups), skipped.engines) == (2, 2)
+    assert skipped.skipped == {"gateway": "--no-gateway"}
+    on_double = pipeline.plan(_args(double=True), tmp_path, [])
+    assert len(on_double.groups) == 1 and "gateway" in on_double.skipped
+    assert _args().no_gateway is False  # the gateway is on by default
+
+
+def test_cpu_is_read_from_the_process_tree() -> None:
+    """A busy grandchild's CPU counts as its front end's."""
+    child = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'while 1: pass'])"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child + "; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        front = Process("busy", [], 0, proc=proc)
+        time.sleep(0.5)
+        before = cpu.sample([front], None)
+        time.sleep(1.0)
+        used = cpu.sample([front], None) - before
+        assert used.front > 0.05
+        assert used.server == used.core == 0.0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert cpu.per_token(cpu.Split(1.0, 0.5, 2.0), 1000, has_front=False) == {
+        "cpu_front_us": None,
+        "cpu_server_us": 500.0,
+        "cpu_core_us": 2000.0,
+    }
+    assert cpu.per_token(cpu.Split(), 0, has_front=True)["cpu_front_us"] is None
+
+
+# --------------------------------------------------------------------------- real gateway
+
+
+def test_gateway_target_for_real(tiny_model: Path) -> None:
+    """One vLLM gRPC server and the gateway: the bench's target streams the mix, and the
+    exactness check reads its answers (text equal whole and streamed)."""
+    exe = smg.ensure()
+    with lineup.gateway(tiny_model, exe) as running:
+        (gw,) = running
+        assert gw.target.name == "gateway" and gw.front and gw.server is not None
+
+        async def go() -> tuple[Any, dict[str, ex.Answer]]:
+            point = await closed_loop(gw.target, request_mix(8), 2, 2.0, "gateway")
+            async with aiohttp.ClientSession() as session:
+                got = {c.name: await gw.target.answer(session, c) for c in ex.cases(8)}
+            return point, {k: v for k, v in got.items() if v is not None}
+
+        point, answers = asyncio.run(go())
+        used = cpu.sample(gw.front, gw.server)
+    assert point.samples and all(s.ok for s in point.samples)
+    assert point.summary()["tokens_per_request"] > 8  # ignore_eos honoured: 16-128 a request
+    assert used.front > 0 and used.server > 0 and used.core > 0
+    assert answers["chat, streamed"].text == answers["chat, whole"].text
+    assert answers["chat, whole"].completion_tokens == 8

@@ -1,0 +1,74 @@
+"""CPU time spent by a bench target's processes, split where it is spent: the front end (tokenline's
+proxy, render and derender; the gateway), the vLLM server outside the model (its HTTP or gRPC
+front, request and output processing) and the model (vLLM's EngineCore process).
+
+Read from each process tree (psutil) before and after a measured point; divided by the output
+tokens of that point it gives CPU per token, comparable across targets in one run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenline.launch.process import Process
+
+ENGINE_CORE = "VLLM::EngineCor"  # vLLM's process title, as the kernel keeps it (15 characters)
+
+
+@dataclass(frozen=True)
+class Split:
+    """CPU seconds: front end, vLLM server outside the model, the model."""
+
+    front: float = 0.0
+    server: float = 0.0
+    core: float = 0.0
+
+    def __sub__(self, other: Split) -> Split:
+        return Split(self.front - other.front, self.server - other.server, self.core - other.core)
+
+
+def _tree(process: Process) -> list[tuple[str, float]]:
+    """(name, CPU seconds) of `process` and every descendant alive now."""
+    import psutil  # vLLM's dependency; only benchmarks read CPU times
+
+    if process.proc is None or process.proc.poll() is not None:
+        return []
+    try:
+        root = psutil.Process(process.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out.append((p.name(), t.user + t.system))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def sample(front: Sequence[Process], server: Process | None) -> Split:
+    """CPU seconds so far of the front-end processes and of the vLLM server's two parts."""
+    front_s = sum(s for p in front for _, s in _tree(p))
+    server_s = core_s = 0.0
+    for name, s in _tree(server) if server is not None else []:
+        if name.startswith(ENGINE_CORE):
+            core_s += s
+        else:
+            server_s += s
+    return Split(front_s, server_s, core_s)
+
+
+def per_token(used: Split, tokens: int, has_front: bool) -> dict[str, float | None]:
+    """Microseconds of CPU per output token, by part; the front end is None for a target that
+    has none of its own (monolithic vLLM, the engine alone)."""
+    if tokens <= 0:
+        return {"cpu_front_us": None, "cpu_server_us": None, "cpu_core_us": None}
+    us = 1e6 / tokens
+    return {
+        "cpu_front_us": used.front * us if has_front else None,
+        "cpu_server_us": used.server * us,
+        "cpu_core_us": used.core * us,
+    }

@@ -1,0 +1,183 @@
+"""`tokenline bench`'s report: a Markdown table per load level (every target side by side, its
+output tokens/s against monolithic vLLM's, latency, CPU per token where it is spent), ratio
+lines, the issue's goals checked, the exactness table, and PNG plots. Pure: built from the run's
+JSON result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenline.launch.bench import exactness
+
+REFERENCE = "monolithic"
+ORDER = ("tokenline", "gateway", "monolithic", "engine")
+# (ours, peer) ratio lines, when both ran
+PAIRS = (
+    ("tokenline", "gateway"),
+    ("tokenline", "monolithic"),
+    ("gateway", "monolithic"),
+    ("tokenline", "engine"),
+)
+
+
+def targets_of(result: dict[str, Any]) -> list[str]:
+    names = list(dict.fromkeys(p["target"] for p in result["points"]))
+    return sorted(names, key=lambda t: ORDER.index(t) if t in ORDER else len(ORDER))
+
+
+def _by(result: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(p["target"], p["level"]): p for p in result["points"]}
+
+
+def _us(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
+
+
+def ratio(ours: dict[str, Any], peer: dict[str, Any]) -> float:
+    peer_rate = peer["output_tokens_per_s"]
+    return ours["output_tokens_per_s"] / peer_rate if peer_rate else 0.0
+
+
+def _row(t: str, p: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    versus = f"{ratio(p, ref):.2f}x" if ref is not None else "—"
+    return (
+        f"| {t} | {p['requests_per_s']:.1f} | {p['output_tokens_per_s']:.0f} | {versus} | "
+        f"{p['ttft_p50_ms']:.1f} ms | {p['ttft_p99_ms']:.1f} ms | "
+        f"{p['itl_p50_ms']:.2f} ms | {p['itl_p99_ms']:.2f} ms | "
+        f"{_us(p.get('cpu_front_us'))} | {_us(p.get('cpu_server_us'))} | "
+        f"{_us(p.get('cpu_core_us'))} | {p.get('tokens_per_request', 0):.1f} | "
+        f"{p['errors']:.0f} |"
+    )
+
+
+def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
+    return (
+        f"{ours}/{peer}: output tokens/s {ratio(a, b):.2f}x, "
+        f"TTFT p50 {a['ttft_p50_ms'] - b['ttft_p50_ms']:+.1f} ms, "
+        f"ITL p50 {a['itl_p50_ms'] - b['itl_p50_ms']:+.3f} ms"
+    )
+
+
+def goals(by: dict[tuple[str, int], dict[str, Any]], level: int) -> list[str]:
+    """Issue #13's end-to-end goals at this level, checked (items 3 and 4)."""
+    ours = by.get(("tokenline", level))
+    if ours is None:
+        return []
+    out = []
+    if (mono := by.get((REFERENCE, level))) is not None:
+        met = ratio(ours, mono) >= 1.0 and ours["ttft_p50_ms"] <= mono["ttft_p50_ms"]
+        out.append(
+            f"goal tokenline >= 1.0x monolithic with TTFT p50 no worse: "
+            f"{'met' if met else 'not met'} ({ratio(ours, mono):.2f}x, "
+            f"{ours['ttft_p50_ms'] - mono['ttft_p50_ms']:+.1f} ms)"
+        )
+    if (peer := by.get(("gateway", level))) is not None:
+        met = ratio(ours, peer) >= 1.0
+        out.append(
+            f"goal tokenline >= the gateway: {'met' if met else 'not met'} "
+            f"({ratio(ours, peer):.2f}x)"
+        )
+    return out
+
+
+HEADER = (
+    "| target | req/s | out tok/s | vs monolithic | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | "
+    "front-end CPU us/tok | vLLM server CPU us/tok | model CPU us/tok | tok/req | errors |"
+)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    by = _by(result)
+    levels = sorted({p["level"] for p in result["points"]})
+    targets = targets_of(result)
+    head = "concurrency" if result["load"] == "c" else "rate (req/s)"
+    how = "one group after another" if result.get("sequential") else "all up at once"
+    lines = [f"### {result['mode']} run, {result['duration_s']:.0f} s per point ({how})", ""]
+    for name, why in result.get("skipped", {}).items():
+        lines += [f"{name}: not measured ({why})", ""]
+    for level in levels:
+        ref = by.get((REFERENCE, level))
+        lines += [f"**{head} {level}**", "", HEADER, "|---" * 13 + "|"]
+        lines += [_row(t, by[(t, level)], ref) for t in targets if (t, level) in by]
+        lines.append("")
+        for ours, peer in PAIRS:
+            if (ours, level) in by and (peer, level) in by:
+                lines.append(_pair(ours, peer, by[(ours, level)], by[(peer, level)]) + "  ")
+        lines += goals(by, level)
+        lines.append("")
+    lines.append(
+        "CPU per output token: front end = tokenline's proxy + render + derender, or the "
+        "gateway; vLLM server = the vLLM process outside the model (HTTP or gRPC front, "
+        "request and output processing); model = vLLM's EngineCore."
+    )
+    lines.append("")
+    if "exactness" in result:
+        verdicts = exactness.Verdicts(result["exactness"]["cases"])
+        lines.append(exactness.markdown(verdicts))
+    return "\n".join(lines)
+
+
+def _line_plot(result: dict[str, Any], metric: str, title: str, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    by = _by(result)
+    levels = sorted({p["level"] for p in result["points"]})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in targets_of(result):
+        xs = [lv for lv in levels if (t, lv) in by]
+        ax.plot(xs, [by[(t, lv)][metric] for lv in xs], marker="o", label=t)
+    ax.set_xlabel("concurrency" if result["load"] == "c" else "request rate (req/s)")
+    ax.set_ylabel(title)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{title} ({result['mode']} run)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = out / f"{result['mode']}-{metric}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _cpu_plot(result: dict[str, Any], out: Path) -> Path:
+    """CPU per output token by where it is spent, each target at the highest level."""
+    import matplotlib.pyplot as plt
+
+    by = _by(result)
+    level = max(p["level"] for p in result["points"])
+    targets = [t for t in targets_of(result) if (t, level) in by]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = [0.0] * len(targets)
+    for key, label in (
+        ("cpu_front_us", "front end"),
+        ("cpu_server_us", "vLLM server"),
+        ("cpu_core_us", "model"),
+    ):
+        values = [by[(t, level)].get(key) or 0.0 for t in targets]
+        ax.bar(targets, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("CPU us per output token")
+    ax.set_title(f"CPU per token at level {level} ({result['mode']} run)")
+    ax.legend()
+    path = out / f"{result['mode']}-cpu_per_token.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plots(result: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    written = [
+        _line_plot(result, metric, title, out)
+        for metric, title in (
+            ("output_tokens_per_s", "output tokens/s"),
+            ("ttft_p50_ms", "TTFT p50 (ms)"),
+            ("itl_p50_ms", "ITL p50 (ms)"),
+        )
+    ]
+    written.append(_cpu_plot(result, out))
+    return written
