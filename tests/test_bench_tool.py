@@ -35,6 +35,9 @@ def test_mix_is_seeded_and_varied() -> None:
     assert {s.kind for s in a} == {"chat", "completion"}
     assert len({s.body["max_tokens"] for s in a}) > 1
     assert any("logprobs" in s.body for s in a) and not all("logprobs" in s.body for s in a)
+    # the setup: every request a chat with top-2 logprobs
+    chats = request_mix(16, chat_share=1.0, logprobs_share=1.0)
+    assert all(s.kind == "chat" and s.body["top_logprobs"] == 2 for s in chats)
 
 
 async def test_double_speaks_generate_and_the_loop_counts() -> None:

@@ -29,7 +29,11 @@ class Spec:
     body: dict[str, Any]
 
 
-def request_mix(n: int, seed: int = 0) -> list[Spec]:
+def request_mix(
+    n: int, seed: int = 0, chat_share: float = 0.7, logprobs_share: float = 0.5
+) -> list[Spec]:
+    """`n` seeded requests: chat with probability `chat_share` (else completions), top-2
+    logprobs with probability `logprobs_share`."""
     rng = random.Random(seed)
     specs = []
     for i in range(n):
@@ -43,8 +47,8 @@ def request_mix(n: int, seed: int = 0) -> list[Spec]:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        logprobs = rng.random() < 0.5
-        if rng.random() < 0.7:
+        logprobs = rng.random() < logprobs_share
+        if rng.random() < chat_share:
             body = {**common, "messages": [{"role": "user", "content": text}]}
             if logprobs:
                 body |= {"logprobs": True, "top_logprobs": 2}

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = (
         Path(args.model) if args.model else build("tiny", servers.build_dir() / "models" / "tiny")
     )
-    mix = request_mix(args.requests)
+    mix = request_mix(args.requests, chat_share=args.chat_share, logprobs_share=args.logprobs_share)
     lineup_plan = plan(args, model, mix)
     sequential = one_at_a_time(args.sequential, lineup_plan.engines, available_gib())
     points: list[dict[str, Any]] = []
@@ -198,6 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load": _loads(args)[0][0],
         "duration_s": args.duration,
         "requests_in_mix": len(mix),
+        "chat_share": args.chat_share,
+        "logprobs_share": args.logprobs_share,
         "sequential": sequential,
         "generate_transport": args.generate_transport,
         "skipped": lineup_plan.skipped,
@@ -224,6 +226,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=float, default=20)
     parser.add_argument("--requests", type=int, default=64, help="size of the seeded mix")
+    parser.add_argument(
+        "--chat-share", type=float, default=0.7, help="share of chat requests (else completions)"
+    )
+    parser.add_argument(
+        "--logprobs-share", type=float, default=0.5, help="share of requests with top-2 logprobs"
+    )
     parser.add_argument(
         "--double",
         action="store_true",

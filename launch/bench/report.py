@@ -94,6 +94,13 @@ def markdown(result: dict[str, Any]) -> str:
     head = "concurrency" if result["load"] == "c" else "rate (req/s)"
     how = "one group after another" if result.get("sequential") else "all up at once"
     lines = [f"### {result['mode']} run, {result['duration_s']:.0f} s per point ({how})", ""]
+    if "chat_share" in result:
+        lines += [
+            f"Mix: {result['requests_in_mix']} seeded streaming requests, "
+            f"{result['chat_share']:.0%} chat, {result['logprobs_share']:.0%} with top-2 "
+            f"logprobs; tokenline's generate transport: {result.get('generate_transport')}.",
+            "",
+        ]
     for name, why in result.get("skipped", {}).items():
         lines += [f"{name}: not measured ({why})", ""]
     for level in levels:
