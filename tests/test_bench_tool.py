@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from tokenline.launch import servers
 from tokenline.launch.bench import cpu, double, lineup, pipeline
 from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
-from tokenline.launch.bench.load import EngineTarget, Spec, closed_loop, request_mix
+from tokenline.launch.bench.load import EngineTarget, Spec, Target, closed_loop, request_mix
 from tokenline.launch.bench.report import markdown, plots
 from tokenline.launch.process import Process
 from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
@@ -145,6 +146,20 @@ def test_report_files(tmp_path: Path) -> None:
         "vllm-cpu_per_token.png",
     ]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_double_run_checks_the_front_end_goals() -> None:
+    result = {
+        "mode": "double",
+        "load": "c",
+        "duration_s": 1.0,
+        "points": [_point("tokenline", 64, 1.0, 80.0), _point("engine", 64, 2.0, None)],
+    }
+    result["points"][0] |= {"itl_p50_ms": 1.25, "output_tokens_per_s": 21_000.0}
+    text = markdown(result)
+    assert "goal added ITL p50 <= 0.3 ms: met (+0.250 ms)" in text
+    assert "goal >= 20,000 output tokens/s through one proxy: met (21,000)" in text
+    assert "goal tokenline >=" not in text  # no vLLM peers in a double run
 
 
 def test_report_names_a_skipped_target() -> None:
@@ -277,6 +292,13 @@ def test_whole_answers_and_missing_logprobs() -> None:
     assert ex.compare(want, ex.Answer(error="500 boom")) == {"answer": "error: 500 boom"}
 
 
+def two_of(answer: ex.Answer) -> ex.Answer:
+    """`answer` with a top candidate the engine never gave."""
+    assert answer.entries is not None
+    entry = answer.entries[0]
+    return replace(answer, entries=(replace(entry, top=(*entry.top, ("z", -0.5))),))
+
+
 def test_engine_answers_compare_by_token_id_and_value() -> None:
     want = ex.Answer(
         text="ab",
@@ -292,6 +314,11 @@ def test_engine_answers_compare_by_token_id_and_value() -> None:
         completion_tokens=1,
     )
     assert all(v is None for v in ex.compare(want, engine, engine=True).values())
+    # vLLM's completions collapse two top candidates that print alike into one key
+    collapsed = replace(want, entries=(ex.Entry("a", -1.0, (("", -1.0),)),))
+    two = replace(engine, entries=(ex.Entry(7, -1.0, ((7, -1.0), (9, -1.0))),))
+    assert ex.compare(collapsed, two, engine=True)["logprobs"] is None
+    assert ex.compare(two_of(want), engine, engine=True)["logprobs"] is not None
     other = ex.Answer(**{**engine.__dict__, "token_ids": (8,)})
     assert ex.compare(want, other, engine=True)["token_ids"] == "token IDs differ"
 
@@ -451,3 +478,28 @@ def test_gateway_target_for_real(tiny_model: Path) -> None:
     assert used.front > 0 and used.server > 0 and used.core > 0
     assert answers["chat, streamed"].text == answers["chat, whole"].text
     assert answers["chat, whole"].completion_tokens == 8
+
+
+class _Echo(Target):
+    """Answers every case with the same text; the engine-like one declines stop cases."""
+
+    def __init__(self, name: str, declines_stops: bool = False) -> None:
+        self.name = name
+        self.declines_stops = declines_stops
+        self.asked: list[str] = []
+
+    async def answer(self, session: aiohttp.ClientSession, case: ex.Case) -> ex.Answer | None:
+        self.asked.append(case.name)
+        return None if self.declines_stops and "stop" in case.body else ex.Answer(text="abcdef")
+
+
+def test_everyone_is_asked_the_reference_stop_cases() -> None:
+    mono, ours, engine = _Echo("monolithic"), _Echo("tokenline"), _Echo("engine", True)
+    answers: dict[str, dict[str, ex.Answer]] = {}
+    running = [lineup.Running(t, [], None) for t in (mono, ours, engine)]
+    asyncio.run(pipeline._answers(running, answers))
+    stops = ["chat, streamed, stop string", "completion, streamed, stop string"]
+    assert mono.asked == ours.asked == engine.asked == [c.name for c in ex.cases()] + stops
+    assert set(answers["monolithic"]) == set(answers["tokenline"]) == set(mono.asked)
+    assert set(answers["engine"]) == {c.name for c in ex.cases()}
+    assert ex.judge(answers).matches("tokenline") == (6, 6)

@@ -157,16 +157,19 @@ def measure(
 async def _answers(
     running: list[lineup.Running], answers: dict[str, dict[str, exactness.Answer]]
 ) -> None:
-    """Each target's answers to the exactness cases, into `answers`; the stop-string cases
-    come from monolithic vLLM's own texts, so it is asked first (its group starts first)."""
+    """Each target's answers to the exactness cases, into `answers`. The stop-string cases
+    come from monolithic vLLM's own texts, so its group starts first, and it answers the base
+    cases before anyone is asked the stop-string ones."""
     base = exactness.cases()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for r in running:
-            reference = answers.get(report.REFERENCE, {})
-            for case in base + exactness.with_stops(base, reference):
-                got = await r.target.answer(session, case)
-                if got is not None:
-                    answers.setdefault(r.target.name, {})[case.name] = got
+            mine = answers.setdefault(r.target.name, {})
+            for case in base:
+                if (got := await r.target.answer(session, case)) is not None:
+                    mine[case.name] = got
+            for case in exactness.with_stops(base, answers.get(report.REFERENCE, {})):
+                if (got := await r.target.answer(session, case)) is not None:
+                    mine[case.name] = got
 
 
 def _each(groups: list[Group], sequential: bool) -> Iterator[list[lineup.Running]]:

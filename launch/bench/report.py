@@ -59,11 +59,29 @@ def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
     )
 
 
-def goals(by: dict[tuple[str, int], dict[str, Any]], level: int) -> list[str]:
+DOUBLE_ITL_MS = 0.3  # issue #13: added ITL p50 against the generate double, at most
+DOUBLE_TOKENS_S = 20_000  # and output tokens/s through one proxy process, at least
+
+
+def _double_goals(ours: dict[str, Any], double: dict[str, Any]) -> list[str]:
+    added = ours["itl_p50_ms"] - double["itl_p50_ms"]
+    rate = ours["output_tokens_per_s"]
+    return [
+        f"goal added ITL p50 <= {DOUBLE_ITL_MS} ms: "
+        f"{'met' if added <= DOUBLE_ITL_MS else 'not met'} ({added:+.3f} ms)",
+        f"goal >= {DOUBLE_TOKENS_S:,} output tokens/s through one proxy: "
+        f"{'met' if rate >= DOUBLE_TOKENS_S else 'not met'} ({rate:,.0f})",
+    ]
+
+
+def goals(by: dict[tuple[str, int], dict[str, Any]], level: int, mode: str = "vllm") -> list[str]:
     """Issue #13's end-to-end goals at this level, checked (items 3 and 4)."""
     ours = by.get(("tokenline", level))
     if ours is None:
         return []
+    if mode == "double":
+        double = by.get(("engine", level))
+        return [] if double is None else _double_goals(ours, double)
     out = []
     if (mono := by.get((REFERENCE, level))) is not None:
         met = ratio(ours, mono) >= 1.0 and ours["ttft_p50_ms"] <= mono["ttft_p50_ms"]
@@ -111,7 +129,7 @@ def markdown(result: dict[str, Any]) -> str:
         for ours, peer in PAIRS:
             if (ours, level) in by and (peer, level) in by:
                 lines.append(_pair(ours, peer, by[(ours, level)], by[(peer, level)]) + "  ")
-        lines += goals(by, level)
+        lines += goals(by, level, result["mode"])
         lines.append("")
     lines.append(
         "CPU per output token: front end = tokenline's proxy + render + derender, or the "
