@@ -11,6 +11,7 @@ index remapped across prompts and `n`, usage, and the token counts behind the IT
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -433,7 +434,7 @@ class StreamFlow:
         if not out.choices:
             return None
         choices = [msgspec.structs.replace(c, index=p * self.n + c.index) for c in out.choices]
-        usage = self.usage(p, prog.completion_tokens) if self._continuous_usage() else None
+        usage = self.usage(p, prog.completion_tokens, [prog]) if self._continuous_usage() else None
         out = msgspec.structs.replace(out, id=self.rendered.public_id, choices=choices, usage=usage)
         tokens, prog.unsent_tokens = prog.unsent_tokens, 0
         return Emission(out, tokens)
@@ -453,12 +454,23 @@ class StreamFlow:
     def stopped_early(self, p: int) -> bool:
         return any(s.stopped_early for (q, _), s in self.progress.items() if q == p)
 
-    def usage(self, p: int | None, completion: int) -> Usage:
-        """Usage of prompt `p` (None: of every prompt) with `completion` output tokens."""
+    def usage(
+        self, p: int | None, completion: int, choices: Iterable[ChoiceProgress] = ()
+    ) -> Usage:
+        """Usage of prompt `p` (None: of every prompt) with `completion` output tokens, and the
+        reasoning tokens of `choices` when derender counts them (a reasoning parser runs)."""
         gens = self.gens if p is None else [self.gens[p]]
         prompt = sum(len(g.token_ids) for g in gens)
+        counts = [
+            c.state.reasoning_tokens
+            for c in choices
+            if c.state is not None and c.state.reasoning_tokens is not None
+        ]
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            completion_tokens_details={"reasoning_tokens": sum(counts)} if counts else None,
         )
 
     def final_chunk(self) -> dict[str, Any] | None:
@@ -467,7 +479,7 @@ class StreamFlow:
         if not (opts and opts.include_usage):
             return None
         completion = sum(s.completion_tokens for s in self.progress.values())
-        usage = msgspec.structs.asdict(self.usage(None, completion))
+        usage = msgspec.structs.asdict(self.usage(None, completion, self.progress.values()))
         return {
             "id": self.rendered.public_id,
             "object": self.kind.chunk_object,

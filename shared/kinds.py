@@ -48,6 +48,7 @@ DERENDER_READS = (
     "parallel_tool_calls",
     "include_reasoning",
     "chat_template_kwargs",
+    "reasoning_effort",
 )
 """The client request fields derender reads (a test keeps this in step with derender's code):
 a stream's derender calls carry only these, not the whole client body with every chunk."""

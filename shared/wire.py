@@ -27,6 +27,7 @@ from tokenline.shared.limits import DERENDER_BATCH_ITEMS, DETOK_STATE_IDS, LOGPR
 TokenId = Annotated[int, Meta(ge=0)]
 TokenIds = list[TokenId]
 NonNegative = Annotated[int, Meta(ge=0)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
 
 
@@ -175,7 +176,6 @@ NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "repetition_detection": (None,),
     "thinking_token_budget": (None,),
     "stream_interval": (None, 1),
-    "reasoning_effort": (None,),
     "media_io_kwargs": (None,),
     "mm_processor_kwargs": (None,),
     "return_prompt_text": (None, False),
@@ -215,7 +215,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     include_reasoning: bool = True
-    reasoning_effort: Any = None
+    reasoning_effort: ReasoningEffort | None = None
+    """vLLM passes it to the chat template, and turns thinking off for "none" (unless
+    `chat_template_kwargs` sets `enable_thinking`)."""
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None
@@ -591,6 +593,11 @@ class DerenderStreamState(Wire, kw_only=True):
     parser: dict[str, Any] | None = None
     """The tool/reasoning parsers' state (`services/derender/parsers`' `ChainState`), when the
     derender has parsers configured; bounded by the parsers' `max_held`."""
+    reasoning_tokens: NonNegative | None = None
+    """Reasoning tokens so far, by vLLM's count (None: no reasoning parser configured): the
+    caller sums them into the usage's `completion_tokens_details`."""
+    reasoning_depth: NonNegative = 0
+    """The count's position: how many `<think>` spans are open."""
 
 
 class DerenderChatRequest(Wire, kw_only=True):

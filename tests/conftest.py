@@ -109,7 +109,7 @@ class Fleet:
         ]
 
 
-REUSE = BUILD / "fleet.json"
+REUSE = Path(os.environ.get("TOKENLINE_FLEET_FILE", BUILD / "fleet.json"))
 
 
 def _reused() -> Fleet | None:

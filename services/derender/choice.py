@@ -54,6 +54,14 @@ class ChoiceOptions:
         )
 
 
+@dataclass(frozen=True)
+class ReasoningCount:
+    """A reasoning-token count in progress: the tokens counted and the open `<think>` spans."""
+
+    tokens: int
+    depth: int
+
+
 @dataclass
 class ChoiceState:
     detok: DetokState
@@ -65,6 +73,8 @@ class ChoiceState:
     role_sent: bool = False
     parser: dict[str, Any] | None = None
     """The tool/reasoning parsers' state (chat with parsers configured)."""
+    reasoning: ReasoningCount | None = None
+    """vLLM's reasoning-token count so far (chat with a reasoning parser configured)."""
 
     @classmethod
     def start(cls, prompt_ids: list[int] | None) -> ChoiceState:
@@ -95,6 +105,9 @@ class ChoiceState:
             stopped=s.stopped,
             role_sent=s.role_sent,
             parser=s.parser,
+            reasoning=None
+            if s.reasoning_tokens is None
+            else ReasoningCount(s.reasoning_tokens, s.reasoning_depth),
         )
 
     def to_wire(self) -> DerenderStreamState:
@@ -110,6 +123,8 @@ class ChoiceState:
             completion_tokens=self.completion_tokens,
             stopped=self.stopped,
             parser=self.parser,
+            reasoning_tokens=None if self.reasoning is None else self.reasoning.tokens,
+            reasoning_depth=0 if self.reasoning is None else self.reasoning.depth,
         )
 
 
@@ -140,6 +155,11 @@ class ChoiceOutput:
     stop_string: str | None = None  # set when a stop string ended the output in this chunk
     text_offset: int = 0  # completions logprobs: offset of this chunk's first token
     context: list[int] = field(default_factory=list)  # sampled IDs before this chunk (logprobs)
+
+    @property
+    def hides_last(self) -> bool:
+        """The last token is a stop token the text leaves out (vLLM's `stop_terminated`)."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
 @dataclass

@@ -101,6 +101,11 @@ def _parsed_stream_choice(
     request = parsing.request
     final = out.finish_reason is not None
     pieces, call.state.parser = parsing.pieces(out.token_ids, out.text, final, call.state.parser)
+    if parsing.counts_reasoning:
+        hidden_last = final and out.hides_last
+        call.state.reasoning = parsing.count_reasoning(
+            out.token_ids, hidden_last, call.state.reasoning
+        )
     content, reasoning, calls = delta_fields(pieces)
     if first and request.echo:
         content = chat_echo(request) + (content or "")

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from tokenline.services.derender.choice import ChoiceOptions
+from tokenline.services.derender.choice import ChoiceOptions, ReasoningCount
 from tokenline.services.derender.parsers import (
     ChainState,
     Content,
@@ -34,6 +34,7 @@ from tokenline.services.derender.parsers import (
 from tokenline.services.derender.parsers.adjust import (
     ParserFlags,
     skips_special_tokens,
+    thinking_enabled,
     tool_choice_of,
 )
 from tokenline.shared.errors import BadRequest, InvalidStreamState
@@ -132,39 +133,52 @@ class ChatParsing:
             return "tool_calls"
         return engine or "stop"
 
+    @property
+    def counts_reasoning(self) -> bool:
+        """vLLM reports `completion_tokens_details.reasoning_tokens` (a reasoning parser runs)."""
+        return self.flags.reasoning_parser is not None
+
     def reasoning_tokens(self, ids: list[int], hidden_last: bool) -> int:
         """vLLM's count of reasoning tokens in a whole output (its usage's
-        `completion_tokens_details`): deepseek_r1 counts tokens inside `<think>` spans (a depth
-        counter from zero); qwen3's engine counts the tokens it parsed as reasoning, which from
-        the token IDs is: from the start when thinking is on (or from `<think>`) up to
-        `</think>`, the markers not counted (a `<tool_call>` in reasoning is reasoning), nor
-        a last stop token the text leaves out (`hidden_last`: no text, no reasoning chunk)."""
+        `completion_tokens_details`)."""
+        return self.count_reasoning(ids, hidden_last, None).tokens
+
+    def count_reasoning(
+        self, ids: list[int], hidden_last: bool, so_far: ReasoningCount | None
+    ) -> ReasoningCount:
+        """`so_far` (None: the output's start) advanced over `ids`, the same count chunk by
+        chunk as over the whole output: deepseek_r1 counts tokens inside `<think>` spans (a
+        depth counter from zero); qwen3's engine counts the tokens it parsed as reasoning,
+        which from the token IDs is: from the start when thinking is on, up to `</think>`, the
+        markers not counted (a `<tool_call>` in reasoning is reasoning; a `<think>` in content
+        is content: its engine never goes back to reasoning), nor a last stop token the text
+        leaves out (`hidden_last`: no text, no reasoning)."""
+        qwen3 = self.flags.reasoning_parser == "qwen3"
+        if so_far is None:
+            so_far = ReasoningCount(0, int(qwen3 and self.options.enable_thinking))
         if self.marks is None:
-            return 0
-        if hidden_last and self.flags.reasoning_parser == "qwen3":
+            return so_far
+        if hidden_last and qwen3:
             ids = ids[:-1]
         start, end = self.marks
-        qwen3 = self.flags.reasoning_parser == "qwen3"
-        depth = int(qwen3 and self.options.enable_thinking)
-        count = 0
+        count, depth = so_far.tokens, so_far.depth
         for token_id in ids:
             if token_id == start:
-                depth += 1
+                depth += 0 if qwen3 else 1
             elif token_id == end:
                 depth = 0 if qwen3 else max(0, depth - 1)
             elif depth:
                 count += 1
-        return count
+        return ReasoningCount(count, depth)
 
 
 def _options(request: ChatCompletionRequest, tok: ModelTokenizer) -> ParserOptions:
     tools = [msgspec.to_builtins(t) for t in request.tools or []]
-    kwargs = request.chat_template_kwargs or {}
     return ParserOptions(
         special_tokens=special_tokens(tok),
         tools=tool_properties(tools),
         tool_choice=tool_choice_of(request),
-        enable_thinking=bool(kwargs.get("enable_thinking", True)),
+        enable_thinking=thinking_enabled(request),
     )
 
 

@@ -77,9 +77,7 @@ def derender_chat(
     outputs = _whole_outputs(tok, opts, resp, prompt_ids)
     usage = usage_of(prompt_count(req.prompt_tokens, resp.usage, prompt_ids), _tokens(outputs))
     if parsing is not None and s.parsers.reasoning_parser is not None:
-        counted = sum(
-            parsing.reasoning_tokens(out.token_ids, _hides_last(out)) for _, out in outputs
-        )
+        counted = sum(parsing.reasoning_tokens(out.token_ids, out.hides_last) for _, out in outputs)
         usage.completion_tokens_details = {"reasoning_tokens": counted}
     return ChatCompletion(
         id=resp.request_id,
@@ -91,11 +89,6 @@ def derender_chat(
         prompt_token_ids=if_asked(request, prompt_ids),
         kv_transfer_params=resp.kv_transfer_params,
     )
-
-
-def _hides_last(out: ChoiceOutput) -> bool:
-    """The last token is a stop token the text leaves out (vLLM's `stop_terminated`)."""
-    return out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
 
 
 def _chat_choice(

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from tokenline.services.derender.parsers import REASONING_PARSERS, ParserOptions
+from tokenline.services.derender.parsers.adjust import thinking_override
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import ChatCompletionRequest
 
@@ -32,6 +33,7 @@ def effective_template_kwargs(
         "continue_final_message": request.continue_final_message,
         "documents": request.documents,
         "reasoning_effort": request.reasoning_effort,
+        **thinking_override(request),
     }
     own = dict(request.chat_template_kwargs or {}) | _given(extras)
     return {**defaults, **SERVER_DEFAULTS} | _given(own)

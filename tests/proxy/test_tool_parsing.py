@@ -69,6 +69,7 @@ CODER_CALL = (
     r"</function>\n</tool_call>"
 )
 CALL = {"hermes": HERMES_CALL, "coder": CODER_CALL}
+THINK = "<think>\n[a-z]{3,9} [a-z]{3,9}\n</think>\n\nok"
 
 
 def _base(**extra: Any) -> dict[str, Any]:
@@ -126,6 +127,13 @@ def cases(pair: str, no_spaces: dict[str, float]) -> list[dict[str, Any]]:
         {**_base(max_tokens=16, **NO_THINKING), "tools": None},
         # a strict tool constrains "auto" too: the tool grammar or the regex (vLLM's "or")
         _base(structured_outputs={"regex": "[a-z]{3,9}"}, **forced),
+        # reasoning_effort: "none" turns thinking off (as enable_thinking false), others keep it
+        _base(tools=PLAIN, max_tokens=16, reasoning_effort="none"),
+        _base(tools=PLAIN, max_tokens=16, reasoning_effort="low"),
+        # `<think>` spans written by the model: the reasoning-token count follows the IDs
+        _base(tools=PLAIN, structured_outputs={"regex": THINK}, max_tokens=48, **NO_THINKING),
+        _base(tools=PLAIN, structured_outputs={"regex": THINK}, include_reasoning=False),
+        _base(tools=PLAIN, structured_outputs={"regex": "x" + THINK}, **NO_THINKING),
     ]
 
 
@@ -243,9 +251,32 @@ def test_streams_reassemble_to_vllms_whole_answer(pair: Pair) -> None:
         ours = streamed(post_raw(proxy + "/v1/chat/completions", stream))
         _compare(whole(theirs), ours, i)
         usage = {k: v for k, v in theirs["usage"].items() if v is not None}
-        assert {k: v for k, v in (ours["usage"] or {}).items() if k in usage} == {
-            k: v for k, v in usage.items() if k != "completion_tokens_details"
-        }, i
+        assert ours["usage"] == usage, (i, ours["usage"], usage)
+
+
+def test_continuous_usage_counts_reasoning_as_vllms_stream(pair: Pair) -> None:
+    """Every chunk's usage (`continuous_usage_stats`) as vLLM's own stream shows it: the
+    reasoning tokens so far, counted chunk by chunk from the stream state."""
+    _, oracle, proxy, bodies = pair
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for i in (8, 11, 14, 15, 16):
+        stream = {**bodies[i], "stream": True, "stream_options": opts}
+        theirs = _usages(post_raw(oracle + "/v1/chat/completions", stream))
+        ours = _usages(post_raw(proxy + "/v1/chat/completions", stream))
+        assert ours[-1] == theirs[-1], (i, ours[-1], theirs[-1])
+        # chunking may differ; the counts seen along the way never exceed the final one
+        details = [u.get("completion_tokens_details") for u in ours]
+        assert all(d is not None for d in details), (i, details)
+        counts = [d["reasoning_tokens"] for d in details if d is not None]
+        assert counts == sorted(counts), (i, counts)
+
+
+def _usages(raw: bytes) -> list[dict[str, Any]]:
+    found = []
+    for payload in sse_payloads(raw):
+        if payload != b"[DONE]" and (usage := json.loads(payload).get("usage")):
+            found.append({k: v for k, v in usage.items() if v is not None})
+    return found
 
 
 def test_the_forced_outputs_are_what_the_cases_say(pair: Pair) -> None:
@@ -268,6 +299,15 @@ def test_the_forced_outputs_are_what_the_cases_say(pair: Pair) -> None:
     assert answers[8]["reasoning"] and answers[8]["content"]
     assert answers[11]["reasoning"] and answers[11]["content"] is None
     assert answers[11]["usage"]["completion_tokens_details"] is not None
+    # reasoning_effort "none" is thinking off for qwen3: no reasoning, where "low" reasons like
+    # case 11; deepseek_r1 reads everything before `</think>` as reasoning either way
+    if name == "hermes":
+        assert answers[14]["reasoning"] is None and answers[14]["content"]
+    else:
+        assert answers[14]["reasoning"] and answers[14]["content"] is None
+    assert answers[15]["reasoning"] and answers[15]["content"] is None
+    details = [a["usage"]["completion_tokens_details"]["reasoning_tokens"] for a in answers]
+    assert details[17 if name == "hermes" else 18] > 0, details  # a count from `<think>` IDs
 
 
 def test_bad_tool_input_is_vllms_400(pair: Pair) -> None:

@@ -24,6 +24,21 @@ class ParserFlags:
         return self.tool_call_parser is not None or self.reasoning_parser is not None
 
 
+def thinking_override(request: ChatCompletionRequest) -> dict[str, bool]:
+    """The `enable_thinking` vLLM adds to the template kwargs: off for `reasoning_effort`
+    "none", on for any other effort, unless the request's own kwargs set it."""
+    own = request.chat_template_kwargs or {}
+    if request.reasoning_effort is None or "enable_thinking" in own:
+        return {}
+    return {"enable_thinking": request.reasoning_effort != "none"}
+
+
+def thinking_enabled(request: ChatCompletionRequest) -> bool:
+    """The parsers' `enable_thinking`: the template kwargs' (default on), as vLLM builds them."""
+    kwargs = (request.chat_template_kwargs or {}) | thinking_override(request)
+    return bool(kwargs.get("enable_thinking", True))
+
+
 def effective_choice(request: ChatCompletionRequest) -> str | dict[str, Any] | None:
     """vLLM's `tool_choice`: when not sent, "auto" with tools, else "none" (null is kept)."""
     if request.tool_choice is not msgspec.UNSET:

@@ -218,3 +218,72 @@ def test_a_forged_parser_state_is_a_400(qwen3_tok: ModelTokenizer) -> None:
     }
     with pytest.raises(BadRequest, match="stream_state"):
         derender(CHAT, DERENDER_CHAT.decode(json.dumps(body)), qwen3_tok, _settings("hermes"))
+
+
+@pytest.mark.parametrize("pair", sorted(OUTPUTS))
+@settings(max_examples=40, deadline=None)
+@given(
+    picks=st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(1, 40), max_size=8),
+    thinking=st.booleans(),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_a_streams_reasoning_count_is_the_whole_answers(
+    qwen3_tok: ModelTokenizer,
+    pair: str,
+    picks: list[int],
+    cuts: list[int],
+    thinking: bool,
+    finish: str,
+) -> None:
+    """Counted chunk by chunk in the stream state, the reasoning tokens come to what the whole
+    answer's usage says, whatever the chunking and wherever `<think>` / `</think>` fall."""
+    think, end = (qwen3_tok.rust.token_to_id(t) for t in ("<think>", "</think>"))
+    vocab = [think, end, *qwen3_tok.encode("a b, c.", add_special_tokens=False)[:3], 0]
+    ids = [vocab[p] for p in picks]
+    extra = {"chat_template_kwargs": {"enable_thinking": thinking}}
+    body = {
+        "generate_response": {
+            "request_id": "r",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish}],
+        },
+        "chat_request": _request(**extra),
+    }
+    whole = derender(CHAT, DERENDER_CHAT.decode(json.dumps(body)), qwen3_tok, _settings(pair))
+    expected = json.loads(JSON.encode(whole))["usage"]["completion_tokens_details"]
+    state: Any = None
+    for a, b in itertools.pairwise([0, *sorted({c for c in cuts if c < len(ids)}), len(ids)]):
+        choice = {
+            "index": 0,
+            "token_ids": ids[a:b],
+            "finish_reason": finish if b == len(ids) else None,
+        }
+        call = {
+            "stream": True,
+            "generate_chunk": {"request_id": "r", "choices": [choice]},
+            "stream_state": state,
+            "chat_request": _request(stream=True, **extra),
+        }
+        out = derender(CHAT, DERENDER_CHAT.decode(json.dumps(call)), qwen3_tok, _settings(pair))
+        state = json.loads(JSON.encode(out))["stream_state"]
+    assert state["reasoning_tokens"] == expected["reasoning_tokens"]
+
+
+def test_reasoning_effort_none_turns_thinking_off(qwen3_tok: ModelTokenizer) -> None:
+    """vLLM sets `enable_thinking` from `reasoning_effort` unless the kwargs set it: the output
+    is then content from the start (the template closed the think block)."""
+    ids = [*qwen3_tok.encode("just an answer", add_special_tokens=False), qwen3_tok.eos_token_id]
+    off = _summary(_whole(qwen3_tok, "hermes", ids, reasoning_effort="none"))
+    on = _summary(_whole(qwen3_tok, "hermes", ids, reasoning_effort="low"))
+    kept = _summary(
+        _whole(
+            qwen3_tok,
+            "hermes",
+            ids,
+            reasoning_effort="none",
+            chat_template_kwargs={"enable_thinking": True},
+        )
+    )
+    assert off["content"] == "just an answer" and off["reasoning"] is None
+    assert on["reasoning"] == "just an answer" and on["content"] is None
+    assert kept == on

@@ -118,6 +118,10 @@ BODIES: list[dict[str, Any]] = [
     {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}},
     {"messages": HI, "chat_template_kwargs": {"enable_thinking": None, "x": "auto", "y": 1}},
     {"messages": HI, "include_reasoning": False},
+    {"messages": HI, "reasoning_effort": "none"},
+    {"messages": HI, "reasoning_effort": "high"},
+    {"messages": HI, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+    {"messages": HI, "tools": [WEATHER], "tool_choice": "required", "reasoning_effort": "none"},
     {"messages": HI, "tools": [WEATHER], "tool_choice": "required", "response_format": None},
     {
         "messages": HI,
