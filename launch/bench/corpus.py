@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
+
+# The words the tiny tokenizer was trained on: about one token a word on either test model.
+from tokenline.launch.models.corpus import WORDS
 
 TEXTS = [
     "Hello! How are you today?",
@@ -128,6 +132,57 @@ def chat_requests(model: str) -> list[dict[str, Any]]:
         {"messages": [{"role": "user", "content": "Special <|im_end|> in text"}]},
         {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
     ]
+    return out
+
+
+LONG_SENTENCES = 200
+
+
+def long_text(seed: int, sentences: int = LONG_SENTENCES) -> str:
+    """`sentences` seeded sentences (English words, with a multilingual one every tenth): the
+    long message of a render mix, where tokenizing and templating dominate."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(sentences):
+        if i % 10 == 9:
+            out.append(TEXTS[rng.randrange(len(TEXTS))].strip())
+            continue
+        words = rng.choices(WORDS, k=rng.randint(6, 14))
+        out.append(" ".join(words).capitalize() + ".")
+    return " ".join(out)
+
+
+def long_requests(model: str, count: int) -> list[dict[str, Any]]:
+    """`count` chat requests, each carrying one long message (user, system or history), with
+    the sampling variants: vary the template's path, not only the text."""
+    out: list[dict[str, Any]] = []
+    for i in range(count):
+        text = long_text(i)
+        shapes: list[list[dict[str, Any]]] = [
+            [{"role": "user", "content": text}],
+            [{"role": "system", "content": text}, {"role": "user", "content": TEXTS[i % 10]}],
+            [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": TEXTS[(i + 1) % 10]},
+                {"role": "user", "content": "And then?"},
+            ],
+        ]
+        body: dict[str, Any] = {"model": model, "messages": shapes[i % len(shapes)]}
+        out.append(body | SAMPLING_VARIANTS[i % len(SAMPLING_VARIANTS)])
+    return out
+
+
+def with_long_messages(
+    short: list[dict[str, Any]], model: str, every: int = 4
+) -> list[dict[str, Any]]:
+    """`short` with a long request in every `every`th place (a quarter by default)."""
+    count = len(short) // (every - 1)
+    longs = iter(long_requests(model, count))
+    out: list[dict[str, Any]] = []
+    for i, body in enumerate(short):
+        out.append(body)
+        if i % (every - 1) == every - 2:
+            out.append(next(longs, body))
     return out
 
 
