@@ -162,7 +162,7 @@ def test_double_run_checks_the_front_end_goals() -> None:
     assert "goal tokenline >=" not in text  # no vLLM peers in a double run
 
 
-def test_report_names_a_skipped_target() -> None:
+def test_report_names_a_skipped_target(tmp_path: Path) -> None:
     result = {
         "mode": "vllm",
         "load": "c",
@@ -173,6 +173,8 @@ def test_report_names_a_skipped_target() -> None:
     text = markdown(result)
     assert "gateway: not measured (--no-gateway)" in text
     assert "| gateway |" not in text and "tokenline/gateway" not in text
+    written = plots(result, tmp_path)  # one level: bars per target
+    assert len(written) == 4 and all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
 # --------------------------------------------------------------------------- exactness

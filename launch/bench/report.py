@@ -149,15 +149,21 @@ def _line_plot(result: dict[str, Any], metric: str, title: str, out: Path) -> Pa
     by = _by(result)
     levels = sorted({p["level"] for p in result["points"]})
     fig, ax = plt.subplots(figsize=(6, 4))
-    for t in targets_of(result):
-        xs = [lv for lv in levels if (t, lv) in by]
-        ax.plot(xs, [by[(t, lv)][metric] for lv in xs], marker="o", label=t)
-    ax.set_xlabel("concurrency" if result["load"] == "c" else "request rate (req/s)")
+    unit = "concurrency" if result["load"] == "c" else "request rate (req/s)"
+    if len(levels) == 1:  # one level: a bar per target reads better than lone points
+        targets = [t for t in targets_of(result) if (t, levels[0]) in by]
+        ax.bar(targets, [by[(t, levels[0])][metric] for t in targets])
+        ax.set_xlabel(f"target ({unit} {levels[0]})")
+    else:
+        for t in targets_of(result):
+            xs = [lv for lv in levels if (t, lv) in by]
+            ax.plot(xs, [by[(t, lv)][metric] for lv in xs], marker="o", label=t)
+        ax.set_xlabel(unit)
+        ax.set_xscale("log", base=2)
+        ax.legend()
     ax.set_ylabel(title)
-    ax.set_xscale("log", base=2)
     ax.set_title(f"{title} ({result['mode']} run)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
     path = out / f"{result['mode']}-{metric}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=100)
