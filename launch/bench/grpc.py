@@ -5,13 +5,15 @@ produce the same tokens).
 
 Printed per transport and round: output tokens/s and the engine side's CPU per output token,
 split into the front-end process (HTTP server or gRPC servicer, where the transports differ)
-and the engine core (the model), from the server's process tree (psutil); then gRPC/HTTP
-ratios. Rounds alternate which transport goes first. A fidelity check follows: the same seeded
-request over both, token IDs, logprobs and top-k candidates compared (ranks: the gRPC proto
-has none).
+and the engine core (the model; its OpenMP threads spin while waiting, so on a busy machine
+it grows with wall time), from the server's process tree (psutil); and the client's own CPU
+per token (this process, reading each stream into shared/wire.py's chunk structs, as the
+proxy would); then gRPC/HTTP ratios. Rounds alternate which transport goes first. A fidelity
+check follows: the same seeded request over both, token IDs, logprobs and top-k candidates
+compared (ranks: the gRPC proto has none).
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.grpc \\
-        [--concurrency 16] [--requests 96] [--tokens 128] [--logprobs 2] [--rounds 3]
+        [--concurrency 16] [--requests 96] [--tokens 128] [--logprobs 2] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -26,18 +28,23 @@ from typing import Any
 
 import aiohttp
 import grpc
-import psutil
 from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from tokenline.launch import servers
+from tokenline.launch.bench.cpu import Split, sample
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 from tokenline.shared.wire import (
     GENERATE_CHUNK,
     GENERATE_RESPONSE,
     JSON,
+    GenerateLogProb,
+    GenerateLogProbs,
+    GenerateLogProbsContent,
     GenerateRequest,
     GenerateResponse,
+    GenerateStreamChoice,
+    GenerateStreamChunk,
     SamplingParams,
 )
 
@@ -136,16 +143,41 @@ class HttpClient:
         await self.session.close()
 
 
+def as_chunk(request_id: str, chunk: Any) -> GenerateStreamChunk:
+    """A gRPC stream chunk as shared/wire.py's struct (what a gRPC transport would hand
+    proxy/stream.py), so both clients do the proxy's work per chunk."""
+    lp = chunk.output_logprobs
+    content = [
+        GenerateLogProbsContent(
+            token_id=token,
+            logprob=value,
+            top_logprobs=[
+                GenerateLogProb(token_id=t, logprob=v)
+                for t, v in zip(top.token_ids, top.values, strict=True)
+            ],
+        )
+        for token, value, top in zip(lp.token_ids, lp.token_logprobs, lp.top_logprobs, strict=False)
+    ]
+    choice = GenerateStreamChoice(
+        index=chunk.index,
+        token_ids=list(chunk.token_ids),
+        logprobs=GenerateLogProbs(content=content) if content else None,
+    )
+    return GenerateStreamChunk(request_id=request_id, choices=[choice])
+
+
 class GrpcClient:
     def __init__(self, address: str) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = vllm_engine_pb2_grpc.VllmEngineStub(self.channel)
 
     async def stream(self, work: Work) -> int:
+        """Output tokens of one streamed request (each chunk made the proxy's struct)."""
         got = 0
         async for answer in self.stub.Generate(grpc_request(work, True)):
             if answer.HasField("chunk"):
-                got += len(answer.chunk.token_ids)
+                chunk = as_chunk(work.request_id, answer.chunk)
+                got += sum(len(c.token_ids or ()) for c in chunk.choices)
         return got
 
     async def whole(self, work: Work) -> Any:
@@ -161,35 +193,15 @@ class GrpcClient:
 
 
 @dataclass
-class Cpu:
-    front: float
-    core: float
-
-    @classmethod
-    def of(cls, pid: int) -> Cpu:
-        """CPU seconds of the server process itself and of its children (the engine core)."""
-        root = psutil.Process(pid)
-        children = sum(_seconds(c) for c in root.children(recursive=True))
-        return cls(_seconds(root), children)
-
-    def __sub__(self, other: Cpu) -> Cpu:
-        return Cpu(self.front - other.front, self.core - other.core)
-
-
-def _seconds(p: psutil.Process) -> float:
-    try:
-        t = p.cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return float(t.user + t.system)
-
-
-@dataclass
 class Run:
     transport: str
     tokens: int
     seconds: float
-    cpu: Cpu
+    cpu: Split
+    """The vLLM server's CPU seconds: its front end (`server`: HTTP server or gRPC servicer,
+    where the transports differ) and the model (`core`: the EngineCore process)."""
+    client: float
+    """CPU seconds of this process: the client, doing the proxy's reading of the stream."""
 
     @property
     def rate(self) -> float:
@@ -199,10 +211,11 @@ class Run:
         return seconds / self.tokens * 1e6
 
     def row(self) -> str:
-        front, core = self.us_per_token(self.cpu.front), self.us_per_token(self.cpu.core)
+        front, core = self.us_per_token(self.cpu.server), self.us_per_token(self.cpu.core)
+        client = self.us_per_token(self.client)
         return (
-            f"  {self.transport:>4} {self.rate:8.0f} tokens/s  CPU per token: front end "
-            f"{front:6.1f} us + engine core {core:6.1f} us = {front + core:6.1f} us"
+            f"  {self.transport:>4} {self.rate:6.0f} tokens/s  CPU per token: front end "
+            f"{front:6.1f} us + engine core {core:7.1f} us; client {client:5.1f} us"
         )
 
 
@@ -214,7 +227,6 @@ async def measure(
     concurrency: int,
 ) -> Run:
     """`works` through `one`, `concurrency` at a time, timed, with the server's CPU."""
-    assert server.proc is not None
     queue = list(reversed(works))
     tokens = 0
 
@@ -224,10 +236,10 @@ async def measure(
             n = await one(queue.pop())
             tokens += n
 
-    before, start = Cpu.of(server.proc.pid), time.perf_counter()
+    before, start, mine = sample((), server), time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    seconds, used = time.perf_counter() - start, Cpu.of(server.proc.pid) - before
-    return Run(transport, tokens, seconds, used)
+    seconds, used = time.perf_counter() - start, sample((), server) - before
+    return Run(transport, tokens, seconds, used, time.process_time() - mine)
 
 
 # --------------------------------------------------------------------------- fidelity
@@ -289,24 +301,25 @@ async def bench(http_server: Process, grpc_server: Process, args: argparse.Names
 
 
 def summary(runs: dict[str, list[Run]]) -> None:
-    def total(name: str) -> tuple[float, float, float]:
+    def total(name: str) -> Run:
         rs = runs[name]
-        tokens = sum(r.tokens for r in rs)
-        seconds = sum(r.seconds for r in rs)
-        front = sum(r.cpu.front for r in rs) / tokens * 1e6
-        core = sum(r.cpu.core for r in rs) / tokens * 1e6
-        return tokens / seconds, front, core
+        cpu = Split(0.0, sum(r.cpu.server for r in rs), sum(r.cpu.core for r in rs))
+        seconds, client = sum(r.seconds for r in rs), sum(r.client for r in rs)
+        return Run(name, sum(r.tokens for r in rs), seconds, cpu, client)
 
-    (h_rate, h_front, h_core), (g_rate, g_front, g_core) = total("http"), total("grpc")
+    http, rpc = total("http"), total("grpc")
     print(" all rounds")
-    print(f"  http {h_rate:8.0f} tokens/s  front end {h_front:6.1f} us/token  total "
-          f"{h_front + h_core:6.1f} us/token")  # fmt: skip
-    print(f"  grpc {g_rate:8.0f} tokens/s  front end {g_front:6.1f} us/token  total "
-          f"{g_front + g_core:6.1f} us/token")  # fmt: skip
+    print(http.row())
+    print(rpc.row())
+
+    def ratio(of: Callable[[Run], float]) -> str:
+        return f"{of(rpc) / of(http):.2f}x"
+
     print(
-        f"  ratio gRPC/HTTP: tokens/s {g_rate / h_rate:.2f}x, front-end CPU per token "
-        f"{g_front / h_front:.2f}x, engine-side CPU per token (front end + core) "
-        f"{(g_front + g_core) / (h_front + h_core):.2f}x"
+        f"  ratio gRPC/HTTP: tokens/s {ratio(lambda r: r.rate)}; CPU per token: front end "
+        f"{ratio(lambda r: r.cpu.server / r.tokens)}, front end + engine core "
+        f"{ratio(lambda r: (r.cpu.server + r.cpu.core) / r.tokens)}, client "
+        f"{ratio(lambda r: r.client / r.tokens)}"
     )
 
 
@@ -317,7 +330,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--logprobs", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     http_server = servers.oracle("bench-grpc-http", model, "tiny")
