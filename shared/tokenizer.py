@@ -174,14 +174,32 @@ class ModelTokenizer:
     # ------------------------------------------------------------------ encode / decode
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.rust.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self.encode_many([text], add_special_tokens)[0]
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Each text's IDs, as `Tokenizer.encode` gives them. The batch call releases the GIL
+        while Rust works (`encode` holds it: a long prompt stalled the event loop and the other
+        render threads for milliseconds), and its fast form skips the offsets nobody reads."""
+        encodings = self.rust.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.rust.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def decode_one(self, token_id: int) -> str:
-        """One token's text, as vLLM reports logprob tokens (`tokenizer.decode([id])`)."""
-        return str(self.rust.decode([token_id], skip_special_tokens=False))
+        """One token's text, as vLLM reports logprob tokens (`tokenizer.decode([id])`);
+        decoded once per process (derender asks it for every logprob candidate)."""
+        found = self._texts.get(token_id)
+        if found is None:
+            found = self._texts[token_id] = str(
+                self.rust.decode([token_id], skip_special_tokens=False)
+            )
+        return found
+
+    @cached_property
+    def _texts(self) -> dict[int, str]:
+        """`decode_one`'s cache, bounded by the vocabulary."""
+        return {}
 
     # ------------------------------------------------------------------ chat template
 

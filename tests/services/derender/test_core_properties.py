@@ -172,13 +172,17 @@ def test_any_chunking_equals_whole_decode(
     assert many["text"].count("\ufffd") == one["text"].count("\ufffd")
 
 
+@pytest.mark.parametrize("which", ["tiny", "qwen3"])
 @settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_whole_decode_matches_decode_stream(data: st.DataObject, tiny_tok: ModelTokenizer) -> None:
-    """The text equals vLLM's own fast detokenizer (DecodeStream seeded with the prompt)."""
-    tok = tiny_tok
+def test_whole_decode_matches_decode_stream(
+    which: str, data: st.DataObject, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
+) -> None:
+    """The text equals vLLM's own fast detokenizer (DecodeStream seeded with the prompt),
+    through the fast path (a token appending its own text) and the window decodes alike."""
+    tok = tiny_tok if which == "tiny" else qwen3_tok
     g = data.draw(generation(tok))
     prompt, skip = g["prompt"] or [], g["request"]["skip_special_tokens"]
     if tok.decode(prompt, skip_special_tokens=skip).endswith("\ufffd"):
