@@ -1,0 +1,367 @@
+"""P/D against one pool on the same two cores: what the prefill leg adds to TTFT, and why.
+
+    flock /tmp/tokenline-bench.lock python -m tokenline.launch.bench.pd
+
+Two setups, measured one after the other in one run, each behind its own tokenline proxy (render
+and derender are shared):
+  one-pool  one engine (role both) on cores 0-1, decode-only: it computes the prompt itself
+  P/D       a prefill engine on core 0 and a decode engine on core 1, as `tokenline generate`
+            runs them (NixlConnector through our shim, KV pulled over UCX loopback)
+Load: `--streams` concurrent streaming chats (closed loop) from the seeded mix of
+`tokenline bench`. Before the timed window, the first `--newcomer` requests go to the freshly
+started engines all at once: the stall a newcomer showed (one request of the first thirty took
+18.5 s) shows up there as its slowest request.
+
+The added TTFT is broken down per request (means over the timed window, from the metrics each
+process exports, as deltas): the proxy's render hop, the prefill leg's wall time as the proxy
+saw it (inside: the prefill engine's queueing and its own prefill compute), then the decode
+engine's time from the request's arrival to its first token: waiting for the KV (arrival until
+scheduled, which holds the NIXL handshake and the transfer; the transfer itself from
+`vllm:nixl_xfer_time_seconds`) and its first step. What is left of the client's TTFT is the
+proxy's own time (and the HTTP hops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from tokenline.launch import servers
+from tokenline.launch.bench.pipeline import OpenAITarget, Point, Spec, closed_loop, request_mix
+from tokenline.launch.models.build import build
+from tokenline.services.generate.launcher import GenerateConfig, Role
+
+Metrics = dict[str, float]
+HOP = "tokenline_proxy_hop_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+QUEUED = "vllm:request_queue_time_seconds"
+PREFILL = "vllm:request_prefill_time_seconds"
+XFER = "vllm:nixl_xfer_time_seconds"
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def scrape(url: str) -> Metrics:
+    """Every sample of `url`/metrics, keyed `name{labels}` (labels as printed)."""
+    from tokenline.launch.bench.http import get
+
+    _, raw = get(url + "/metrics")
+    out: Metrics = {}
+    for line in raw.decode().splitlines():
+        if m := SAMPLE.match(line):
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def total(metrics: Metrics, name: str, label: str = "") -> float:
+    """The sum of every sample of `name` whose labels contain `label`."""
+    return sum(
+        v
+        for k, v in metrics.items()
+        if (k == name or k.startswith(name + "{")) and label in k.partition("{")[2]
+    )
+
+
+@dataclass
+class Delta:
+    """Metrics of one process over a window."""
+
+    before: Metrics
+    after: Metrics
+
+    def of(self, name: str, label: str = "") -> float:
+        return total(self.after, name, label) - total(self.before, name, label)
+
+    def mean_ms(self, histogram: str, label: str = "") -> float:
+        """Mean of a histogram's observations in the window, in ms (0 with none)."""
+        count = self.of(histogram + "_count", label)
+        return 1000 * self.of(histogram + "_sum", label) / count if count else 0.0
+
+
+@dataclass
+class Watched:
+    """Processes whose metrics a window reads."""
+
+    urls: dict[str, str]
+
+    def snapshot(self) -> dict[str, Metrics]:
+        return {name: scrape(url) for name, url in self.urls.items()}
+
+    @contextmanager
+    def window(self) -> Iterator[dict[str, Delta]]:
+        """Deltas of every process over the `with` body (filled in on exit)."""
+        before = self.snapshot()
+        deltas: dict[str, Delta] = {}
+        yield deltas
+        after = self.snapshot()
+        deltas.update({n: Delta(before[n], after[n]) for n in self.urls})
+
+
+# --------------------------------------------------------------------------- setups
+
+
+def engine(name: str, model: Path, role: Role, cores: str) -> servers.Server:
+    """An engine as `tokenline generate` starts it for `role` (P/D: NIXL through our shim)."""
+    config = GenerateConfig(
+        model=str(model),
+        role=role,
+        port=servers.free_port(),
+        served_model_name="tiny",
+        cpu_cores=cores,
+        nixl_port=servers.free_port() if role != "both" else None,
+    )
+    return servers.vllm(name, config)
+
+
+def proxy(
+    name: str, render: str, derender: str, decode: str, prefill: str | None
+) -> servers.Server:
+    argv = ["proxy", "--open", "--render", render, "--derender", derender, "--decode", decode]
+    return servers.tokenline(name, *argv, *(("--prefill", prefill) if prefill else ()))
+
+
+@dataclass
+class Run:
+    """One setup's figures."""
+
+    name: str
+    newcomer: Point
+    point: Point
+    deltas: dict[str, Delta]
+
+
+def measure(
+    name: str, url: str, watched: Watched, mix: list[Spec], args: argparse.Namespace
+) -> Run:
+    target = OpenAITarget(name, url)
+    # the engines' very first requests, all at once: a newcomer's handshakes happen here
+    newcomer = asyncio.run(_burst(target, mix[: args.newcomer]))
+    asyncio.run(closed_loop(target, mix, args.streams, 3, f"warm-up {name}"))
+    with watched.window() as deltas:
+        point = asyncio.run(closed_loop(target, mix, args.streams, args.duration, name))
+    return Run(name, newcomer, point, deltas)
+
+
+async def _burst(target: OpenAITarget, specs: list[Spec]) -> Point:
+    point = Point(target.name + " newcomer", len(specs), 0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter()
+        point.samples = list(await asyncio.gather(*(target.send(session, s) for s in specs)))
+        point.seconds = time.perf_counter() - start
+    return point
+
+
+def one_pool(model: Path, front: tuple[str, str], mix: list[Spec], args: argparse.Namespace) -> Run:
+    both = engine("pd-bench-both", model, "both", "0-1")
+    started = [both]
+    try:
+        servers.start_all([both], 600)
+        p = proxy("pd-bench-proxy-one", *front, both.url, None)
+        started.append(p)
+        servers.start_all([p], 120)
+        watched = Watched({"proxy": p.url, "engine": both.url})
+        return measure("one-pool", p.url, watched, mix, args)
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+def pd(model: Path, front: tuple[str, str], mix: list[Spec], args: argparse.Namespace) -> Run:
+    pre = engine("pd-bench-prefill", model, "prefill", "0")
+    dec = engine("pd-bench-decode", model, "decode", "1")
+    started = [pre, dec]
+    try:
+        servers.start_all([pre, dec], 600)
+        p = proxy("pd-bench-proxy-pd", *front, dec.url, pre.url)
+        started.append(p)
+        servers.start_all([p], 120)
+        watched = Watched({"proxy": p.url, "prefill": pre.url, "decode": dec.url})
+        return measure("P/D", p.url, watched, mix, args)
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ttft(point: Point, q: float) -> float:
+    return point.summary()[f"ttft_{q}_ms"]
+
+
+def breakdown(runs: dict[str, Run]) -> dict[str, float]:
+    """Mean ms per request of each part of each setup's TTFT."""
+    parts: dict[str, float] = {}
+    if (pdr := runs.get("pd")) is not None:
+        parts |= _pd_parts(pdr)
+    if (one := runs.get("one")) is not None:
+        e = one.deltas
+        parts["client TTFT (one-pool)"] = _mean_ttft(one.point)
+        parts["  render hop (proxy) "] = e["proxy"].mean_ms(HOP, 'hop="render"')
+        parts["  engine: arrival to first token"] = e["engine"].mean_ms(TTFT)
+        parts["    engine: queued"] = e["engine"].mean_ms(QUEUED)
+        parts["    engine: prefill compute"] = e["engine"].mean_ms(PREFILL)
+    return parts
+
+
+def _pd_parts(run: Run) -> dict[str, float]:
+    d = run.deltas
+    parts = {
+        "client TTFT (P/D)": _mean_ttft(run.point),
+        "  render hop (proxy)": d["proxy"].mean_ms(HOP, 'hop="render"'),
+        "  prefill leg, wall (proxy)": d["proxy"].mean_ms(HOP, 'hop="prefill"'),
+        "    prefill engine: arrival to first token": d["prefill"].mean_ms(TTFT),
+        "    prefill engine: queued": d["prefill"].mean_ms(QUEUED),
+        "    prefill engine: prefill compute": d["prefill"].mean_ms(PREFILL),
+        "  decode engine: arrival to first token": d["decode"].mean_ms(TTFT),
+        "    decode: arrival to scheduled (KV wait)": d["decode"].mean_ms(QUEUED),
+        "      of which NIXL transfer (per transfer)": d["decode"].mean_ms(XFER),
+        "    decode: scheduled to first token": d["decode"].mean_ms(PREFILL),
+    }
+    known = sum(
+        parts[k]
+        for k in (
+            "  render hop (proxy)",
+            "  prefill leg, wall (proxy)",
+            "  decode engine: arrival to first token",
+        )
+    )
+    parts["  rest: proxy and HTTP hops"] = parts["client TTFT (P/D)"] - known
+    return parts
+
+
+def _mean_ttft(point: Point) -> float:
+    ok = [s.ttft for s in point.samples if s.ok]
+    return 1000 * sum(ok) / len(ok) if ok else 0.0
+
+
+def counters(run: Run) -> dict[str, float]:
+    d = run.deltas
+    if "decode" not in d:
+        return {}
+    return {
+        "transfers": d["decode"].of("vllm:nixl_xfer_time_seconds_count"),
+        "failed transfers": d["decode"].of("vllm:nixl_num_failed_transfers_total"),
+        "expired KV (prefill)": d["prefill"].of("vllm:nixl_num_kv_expired_reqs_total"),
+        "notifications after expiry (prefill)": d["prefill"].of(
+            "vllm:nixl_num_notifications_after_expiry_total"
+        ),
+        "prompt tokens from transfer (decode)": d["decode"].of(
+            "vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"'
+        ),
+        "prompt tokens computed (decode)": d["decode"].of(
+            "vllm:prompt_tokens_by_source_total", 'source="local_compute"'
+        ),
+        "prefill fallbacks (proxy)": d["proxy"].of("tokenline_proxy_prefill_fallbacks_total"),
+    }
+
+
+def text(runs: dict[str, Run], streams: int) -> str:
+    """The report: each setup's figures, P/D's over one-pool's, the newcomer bursts, and (with
+    both setups) the breakdown."""
+    seconds = max(r.point.seconds for r in runs.values())
+    lines = [f"### P/D vs one pool, {streams} streams, {seconds:.0f} s each", ""]
+    lines += ["| setup | req/s | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | errors |"]
+    lines += ["|---|---|---|---|---|---|---|"]
+    for run in runs.values():
+        s = run.point.summary()
+        lines.append(
+            f"| {run.name} | {s['requests_per_s']:.1f} | {s['output_tokens_per_s']:.0f} | "
+            f"{s['ttft_p50_ms']:.0f} ms | {s['ttft_p99_ms']:.0f} ms | {s['itl_p50_ms']:.1f} ms | "
+            f"{s['errors']:.0f} |"
+        )
+    lines.append("")
+    if "one" in runs and "pd" in runs:
+        a, b = runs["one"].point.summary(), runs["pd"].point.summary()
+        lines += [
+            f"P/D/one-pool: TTFT p50 {_ratio(b['ttft_p50_ms'], a['ttft_p50_ms'])}, "
+            f"p99 {_ratio(b['ttft_p99_ms'], a['ttft_p99_ms'])}, "
+            f"tokens/s {_ratio(b['output_tokens_per_s'], a['output_tokens_per_s'])}",
+            "",
+        ]
+    for run in runs.values():
+        ok = [s.ttft for s in run.newcomer.samples if s.ok]
+        worst = max((s.e2e for s in run.newcomer.samples), default=0.0)
+        lines.append(
+            f"{run.name} newcomer burst: {len(ok)}/{len(run.newcomer.samples)} ok, "
+            f"slowest request {worst:.2f} s, slowest TTFT {max(ok, default=0.0):.2f} s"
+        )
+    lines += ["", "Mean per request (ms):", ""]
+    lines += [f"    {k:<46} {v:8.1f}" for k, v in breakdown(runs).items()]
+    if "pd" in runs:
+        lines += ["", "P/D counters over the window:", ""]
+        lines += [f"    {k:<46} {v:8.0f}" for k, v in counters(runs["pd"]).items()]
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def chats(n: int) -> list[Spec]:
+    """The chats of `tokenline bench`'s mix, without their seeds: on CPU, vLLM 0.32 dies on a
+    seeded request whose prefill is chunked (`_bookkeeping_sync` rewinds the request's generator
+    with `set_offset`: "CPU Generator does not use offset"), which 30 requests at once cause."""
+    specs = [s for s in request_mix(4 * n) if s.kind == "chat"][:n]
+    return [Spec(s.kind, {k: v for k, v in s.body.items() if k != "seed"}) for s in specs]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: tiny)")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streaming chats")
+    parser.add_argument("--duration", type=float, default=20, help="seconds per setup")
+    parser.add_argument("--newcomer", type=int, default=30, help="first requests, all at once")
+    parser.add_argument("--only", choices=("one", "pd"), default=None, help="one setup only")
+    parser.add_argument("--out", default=str(servers.build_dir() / "bench"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenline.launch.bench.pd", description=__doc__
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    model = (
+        Path(args.model) if args.model else build("tiny", servers.build_dir() / "models" / "tiny")
+    )
+    mix = chats(64)
+    common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
+    render = servers.tokenline("pd-bench-render", "render", *common, "--workers", "1")
+    derender = servers.tokenline("pd-bench-derender", "derender", *common)
+    try:
+        servers.start_all([render, derender], 300)
+        front = (render.url, derender.url)
+        runs: dict[str, Run] = {}
+        setups: dict[str, Callable[..., Run]] = {"one": one_pool, "pd": pd}
+        for key, setup in setups.items():
+            if args.only in (None, key):
+                runs[key] = setup(model, front, mix, args)
+    finally:
+        derender.stop()
+        render.stop()
+    report = text(runs, args.streams)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pd.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
