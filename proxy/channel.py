@@ -58,7 +58,7 @@ class ZmqDerender(HttpDerender):
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
-        body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client)))
+        body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client, True)))
 
         async def once(worker: Worker) -> bytes:
             try:

@@ -34,12 +34,42 @@ from tokenline.shared.wire import (
     GenerateStreamChunk,
     PromptLogprobs,
     SamplingParams,
+    StopMatch,
     Usage,
 )
 
 ClientRequest = ChatCompletionRequest | CompletionRequest
 ClientChunk = ChatCompletionChunk | CompletionChunk
-StreamAnswer = Any  # DerenderChatStreamResponse | DerenderCompletionStreamResponse (same shape)
+
+
+class RawStreamAnswer(msgspec.Struct):
+    """A streaming derender answer read lazily: the client's chunk and the next state stay
+    JSON (the chunk goes to the client as derender wrote it; the state goes back with the next
+    call), only the few fields the proxy reads are decoded (`ChunkHead`, `StateCounts`)."""
+
+    chunk: msgspec.Raw
+    stream_state: msgspec.Raw
+    stop_match: StopMatch | None = None
+
+
+class ChunkHead(msgspec.Struct):
+    model: str = ""
+    choices: list[msgspec.Raw] = []
+
+
+class StateCounts(msgspec.Struct):
+    """What the proxy reads of derender's state (vLLM's derender keeps neither: zeros)."""
+
+    completion_tokens: int = 0
+    reasoning_tokens: int | None = None
+
+
+RAW_STREAM_ANSWER = msgspec.json.Decoder(RawStreamAnswer)
+CHUNK_HEAD = msgspec.json.Decoder(ChunkHead)
+STATE_COUNTS = msgspec.json.Decoder(StateCounts)
+StreamAnswer = Any
+"""`RawStreamAnswer`, or a decoded `DerenderChatStreamResponse` /
+`DerenderCompletionStreamResponse` (binary transports)."""
 PREFILL_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -294,19 +324,26 @@ class StreamCall:
     kind: Kind
     model: str | None
     chunk: GenerateStreamChunk
-    state: DerenderStreamState | None
+    """Shaped as the client sees it: the public id, the choice's index across prompts, no
+    usage (the proxy counts it), so derender's chunk goes to the client as it is."""
+    state: DerenderStreamState | msgspec.Raw | None
+    """The previous answer's state: decoded (binary transports) or its JSON, sent back as
+    it came."""
     prompt_token_ids: list[int]
     client_raw: bytes
     client: ClientRequest
 
-    def fields(self, client: Any) -> dict[str, Any]:
-        """vLLM's streaming derender body, with `client` as the original-request field."""
+    def fields(self, client: Any, lean: bool = False) -> dict[str, Any]:
+        """vLLM's streaming derender body, with `client` as the original-request field.
+        `lean` (tokenline's derender) sends the prompt's IDs with a choice's first call only:
+        only that call reads them (vLLM's derender wants them on every call)."""
+        ids = None if lean and self.state is not None else self.prompt_token_ids
         return {
             "stream": True,
             "model": self.model,
             "generate_chunk": self.chunk,
             "stream_state": self.state,
-            "prompt_token_ids": self.prompt_token_ids,
+            "prompt_token_ids": ids,
             "prompt_tokens": len(self.prompt_token_ids),
             self.kind.request_field: client,
         }
@@ -341,8 +378,10 @@ def whole_derender_body(
 class ChoiceProgress:
     """Per choice: derender's state and whether the choice is over."""
 
-    state: DerenderStreamState | None = None
+    state: DerenderStreamState | msgspec.Raw | None = None
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None
+    """derender's count, when a reasoning parser runs (None: no count)."""
     unsent_tokens: int = 0
     """Tokens counted since the last chunk sent for this choice (per-token ITL)."""
     finished: bool = False
@@ -356,7 +395,8 @@ class ChoiceProgress:
 class Emission:
     """A chunk for the client and the completion tokens it accounts for (for per-token ITL)."""
 
-    chunk: ClientChunk
+    chunk: ClientChunk | msgspec.Raw
+    """A chunk struct, or derender's JSON of one (sent as it is)."""
     tokens: int
 
 
@@ -406,36 +446,59 @@ class StreamFlow:
             return None
         first = prog.state is None
         view = self.first_views[p] if first else self.view
-        if first and p in self.prompt_logprobs:
-            chunk = msgspec.structs.replace(chunk, prompt_logprobs=self.prompt_logprobs[p])
+        prompt_logprobs = self.prompt_logprobs.get(p) if first else None
         return StreamCall(
             self.kind,
             self.client.model,
-            chunk,
+            self._shaped(p, chunk, prompt_logprobs),
             prog.state,
             self.gens[p].token_ids,
             view.raw,
             view.request,
         )
 
+    def _shaped(
+        self, p: int, chunk: GenerateStreamChunk, prompt_logprobs: PromptLogprobs | None
+    ) -> GenerateStreamChunk:
+        """The generate chunk as derender should echo it to the client (`StreamCall.chunk`)."""
+        choices = chunk.choices
+        if p:
+            index = p * self.n
+            choices = [msgspec.structs.replace(c, index=index + c.index) for c in choices]
+        return msgspec.structs.replace(
+            chunk,
+            request_id=self.rendered.public_id,
+            choices=choices,
+            usage=None,
+            prompt_logprobs=prompt_logprobs or chunk.prompt_logprobs,
+        )
+
     def accept(self, p: int, chunk: GenerateStreamChunk, answer: StreamAnswer) -> Emission | None:
-        """Derender's answer to `call(p, chunk)`: the chunk for the client, if it has choices."""
+        """Derender's answer to `call(p, chunk)`: the chunk for the client, if it has choices
+        (derender's own JSON when nothing in it needs changing)."""
         choice = chunk.choices[0]
         prog = self.progress[(p, choice.index)]
         prog.generated += choice.token_ids or ()
         prog.state = answer.stream_state
-        prog.unsent_tokens += answer.stream_state.completion_tokens - prog.completion_tokens
-        prog.completion_tokens = answer.stream_state.completion_tokens
+        raw = isinstance(answer, RawStreamAnswer)
+        counts = STATE_COUNTS.decode(answer.stream_state) if raw else answer.stream_state
+        prog.unsent_tokens += counts.completion_tokens - prog.completion_tokens
+        prog.completion_tokens = counts.completion_tokens
+        prog.reasoning_tokens = counts.reasoning_tokens
         if answer.stop_match is not None or choice.finish_reason is not None:
             prog.finished = True
             prog.stopped_early = answer.stop_match is not None and choice.finish_reason is None
-        out: ClientChunk = answer.chunk
-        self.model = out.model
-        if not out.choices:
+        head = CHUNK_HEAD.decode(answer.chunk) if raw else answer.chunk
+        self.model = head.model
+        if not head.choices:
             return None
-        choices = [msgspec.structs.replace(c, index=p * self.n + c.index) for c in out.choices]
-        usage = self.usage(p, prog.completion_tokens, [prog]) if self._continuous_usage() else None
-        out = msgspec.structs.replace(out, id=self.rendered.public_id, choices=choices, usage=usage)
+        out: ClientChunk | msgspec.Raw = answer.chunk
+        if self._continuous_usage():
+            usage = self.usage(p, prog.completion_tokens, [prog])
+            decoded = self.kind.chunk_json.decode(answer.chunk) if raw else answer.chunk
+            out = msgspec.structs.replace(decoded, usage=usage)
+        elif not raw:
+            out = msgspec.structs.replace(answer.chunk, id=self.rendered.public_id, usage=None)
         tokens, prog.unsent_tokens = prog.unsent_tokens, 0
         return Emission(out, tokens)
 
@@ -461,11 +524,7 @@ class StreamFlow:
         reasoning tokens of `choices` when derender counts them (a reasoning parser runs)."""
         gens = self.gens if p is None else [self.gens[p]]
         prompt = sum(len(g.token_ids) for g in gens)
-        counts = [
-            c.state.reasoning_tokens
-            for c in choices
-            if c.state is not None and c.state.reasoning_tokens is not None
-        ]
+        counts = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
         return Usage(
             prompt_tokens=prompt,
             completion_tokens=completion,

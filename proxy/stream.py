@@ -52,7 +52,7 @@ from tokenline.shared.wire import (
 log = logging.getLogger(__name__)
 QUEUE_LIMIT = 65536  # generate chunks buffered per prompt before the request is failed
 OUT_BUFFER = 64  # client chunks ready ahead of the client (backpressure beyond)
-Outgoing = ClientChunk | dict[str, Any]
+Outgoing = ClientChunk | msgspec.Raw | dict[str, Any]
 
 
 async def whole(

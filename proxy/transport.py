@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 import msgspec
 
-from tokenline.proxy.flow import StreamAnswer, StreamCall
+from tokenline.proxy.flow import RAW_STREAM_ANSWER, StreamAnswer, StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
@@ -73,7 +73,7 @@ class HttpDerender:
         # the client's own bytes: no re-encoding of the original request per chunk
         body = JSON.encode(call.fields(msgspec.Raw(call.client_raw)))
         data = await self.post(call.kind.derender_path, body, JSON_HEADERS)
-        return readable(call.kind.stream_answer_json, data)
+        return readable(RAW_STREAM_ANSWER, data)
 
     async def close(self) -> None:
         return None
@@ -114,7 +114,7 @@ class BatchedDerender(HttpDerender):
 
     async def _send(self, batch: list[_Pending]) -> None:
         kind = batch[0].call.kind
-        items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw))) for p in batch]
+        items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw), True)) for p in batch]
         body = b'{"requests":[' + b",".join(items) + b"]}"
         try:
             answers = readable(BATCH_ANSWER, await self.post(kind.batch_path, body, JSON_HEADERS))
@@ -127,7 +127,7 @@ class BatchedDerender(HttpDerender):
                 _settle(p.answer, exc)
             return
         for p, raw in zip(batch, answers, strict=True):
-            _settle(p.answer, _item(kind, bytes(raw)))
+            _settle(p.answer, _item(bytes(raw)))
 
     async def close(self) -> None:
         for task in list(self.flushing):
@@ -135,11 +135,11 @@ class BatchedDerender(HttpDerender):
         await asyncio.gather(*self.flushing, return_exceptions=True)
 
 
-def _item(kind: Kind, raw: bytes) -> StreamAnswer | ServiceError:
+def _item(raw: bytes) -> StreamAnswer | ServiceError:
     """One item of a batch answer: derender's answer, or that item's own error."""
     try:
         if not raw.startswith(b'{"error"'):
-            return readable(kind.stream_answer_json, raw)
+            return readable(RAW_STREAM_ANSWER, raw)
         error = readable(ERROR, raw).error
     except ServiceError as exc:
         return exc

@@ -17,8 +17,10 @@ import msgspec
 
 from tokenline.shared.wire import (
     ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
+    CompletionChunk,
     CompletionRequest,
     DerenderChatRequest,
     DerenderChatStreamResponse,
@@ -84,6 +86,8 @@ class Kind:
     rendered_type: Any
     """render's answer: one generate request (chat) or a list, one per prompt (completions)."""
     whole_type: type[ChatCompletion] | type[Completion]
+    chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
+    """A stream chunk of this kind, as the client sees it."""
     derender_request: type[DerenderChatRequest] | type[DerenderCompletionRequest]
     stream_answer_type: type[DerenderChatStreamResponse] | type[DerenderCompletionStreamResponse]
     one_prompt: bool
@@ -115,6 +119,10 @@ class Kind:
     @functools.cached_property
     def whole(self) -> msgspec.json.Decoder[Any]:
         return msgspec.json.Decoder(self.whole_type)
+
+    @functools.cached_property
+    def chunk_json(self) -> msgspec.json.Decoder[Any]:
+        return msgspec.json.Decoder(self.chunk_type)
 
     @functools.cached_property
     def derender_json(self) -> msgspec.json.Decoder[Any]:
@@ -153,6 +161,7 @@ CHAT = Kind(
     client_type=ChatCompletionRequest,
     rendered_type=GenerateRequest,
     whole_type=ChatCompletion,
+    chunk_type=ChatCompletionChunk,
     derender_request=DerenderChatRequest,
     stream_answer_type=DerenderChatStreamResponse,
     one_prompt=True,
@@ -171,6 +180,7 @@ COMPLETION = Kind(
     client_type=CompletionRequest,
     rendered_type=list[GenerateRequest],
     whole_type=Completion,
+    chunk_type=CompletionChunk,
     derender_request=DerenderCompletionRequest,
     stream_answer_type=DerenderCompletionStreamResponse,
     one_prompt=False,

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenline.proxy.flow import (
+    RAW_STREAM_ANSWER,
     HopHeaders,
     Rendered,
     StreamFlow,
@@ -32,6 +33,7 @@ from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     CHAT_REQUEST,
     COMPLETION_REQUEST,
+    JSON,
     ChatCompletionChunk,
     ChatStreamChoice,
     Delta,
@@ -180,15 +182,38 @@ def stream_flow(n: int = 2, prompts: int = 2, usage: str = "") -> StreamFlow:
 
 
 def test_choices_are_remapped_across_prompts_and_n() -> None:
+    """The generate chunk goes to derender shaped as the client sees it (the public id, the
+    index across prompts, no usage), so derender's chunk needs no rewriting."""
     flow = stream_flow()
     c = chunk(1, [7])
     call = flow.call(1, c)
     assert call is not None and call.state is None and call.prompt_token_ids == [1, 2, 3]
-    emission = flow.accept(1, c, answer(1, "a", index=1))
+    assert call.chunk.choices[0].index == 3  # prompt 1, choice 1, n = 2
+    assert call.chunk.request_id == "req" and call.chunk.usage is None
+    assert call.chunk.choices[0].token_ids == [7]
+    emission = flow.accept(1, c, answer(1, "a", index=3))
     assert emission is not None
-    assert emission.chunk.choices[0].index == 3  # prompt 1, choice 1, n = 2
+    assert emission.chunk.choices[0].index == 3
     assert emission.chunk.id == "req" and emission.tokens == 1
     assert flow.emitted(1) and not flow.emitted(0)
+
+
+def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
+    """JSON transports read derender's answer lazily: the chunk's bytes are the client's, the
+    state's bytes go back with the next call, the counts are read from them."""
+    flow = stream_flow(n=1, prompts=1)
+    c = chunk(0, [7])
+    flow.call(0, c)
+    raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(2, "ab")))
+    emission = flow.accept(0, c, raw)
+    assert emission is not None and emission.tokens == 2
+    assert emission.chunk == raw.chunk  # not re-encoded
+    again = flow.call(0, chunk(0, [8]))
+    assert again is not None and again.state == raw.stream_state
+    assert again.fields(None, lean=True)["prompt_token_ids"] is None  # first call only
+    assert again.fields(None)["prompt_token_ids"] == [1, 2, 3]  # vLLM's derender: always
+    assert flow.progress[(0, 0)].completion_tokens == 2
+    assert flow.accept(0, c, RAW_STREAM_ANSWER.decode(JSON.encode(answer(3, None)))) is None
 
 
 def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:
