@@ -177,6 +177,7 @@ def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process
     argv = child_argv("proxy", "--host", up.host, "--port", str(up.port), *_proxy_access(up))
     argv += ["--drain-timeout", str(up.drain_timeout)]
     argv += ["--render", *urls("render"), "--derender", *urls("derender")]
+    argv += ["--derender-transport", "batched"]  # its derenders are tokenline's own
     if up.tokens_only:
         argv.append("--generate-tokens-only")
     if up.pd:
