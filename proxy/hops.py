@@ -158,8 +158,9 @@ class Hops:
 
     def generate_stream(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
-    ) -> tuple[Worker, AsyncIterator[bytes]]:
-        """A decode replica and the SSE payloads of `gen` streamed on it."""
+    ) -> tuple[Worker, AsyncIterator[list[bytes]]]:
+        """A decode replica and the SSE payloads of `gen` streamed on it (those of one read
+        together)."""
         pool = self.pools.decode
         worker = pool.choose(exclude)
         body = JSON.encode(gen)
@@ -238,15 +239,15 @@ class Hops:
 
 
 async def _reported(
-    pool: Pool, worker: Worker, source: AsyncIterator[bytes]
-) -> AsyncIterator[bytes]:
+    pool: Pool, worker: Worker, source: AsyncIterator[list[bytes]]
+) -> AsyncIterator[list[bytes]]:
     """`source`, its outcome reported to the pool (a stream left early reports nothing), given
     up as soon as `worker` leaves the rotation (a partitioned host's stream would otherwise sit
     out the idle timeout before the stream can migrate)."""
     with reported(pool, worker):
         async with given_up_if_gone(pool.role, worker, "stream"):
-            async for payload in source:
-                yield payload
+            async for payloads in source:
+                yield payloads
 
 
 def _own_fault(exc: ServiceError) -> bool:

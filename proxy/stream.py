@@ -50,7 +50,7 @@ from tokenline.shared.wire import (
 )
 
 log = logging.getLogger(__name__)
-QUEUE_LIMIT = 65536  # generate chunks buffered per prompt before the request is failed
+QUEUE_LIMIT = 65536  # reads of a generate stream buffered per prompt before the request fails
 OUT_BUFFER = 64  # client chunks ready ahead of the client (backpressure beyond)
 Outgoing = ClientChunk | msgspec.Raw | dict[str, Any]
 
@@ -205,7 +205,7 @@ class Streaming:
         worker, source = hops.generate_stream(
             engine_request(gen, flow.kind, True, kv), self.headers, exclude
         )
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        queue: asyncio.Queue[list[bytes] | None] = asyncio.Queue()
         reader = asyncio.create_task(_read(source, queue))
         finished = False
         try:
@@ -243,25 +243,29 @@ class Streaming:
         await self.out.put(emission.chunk)
 
 
-async def _read(source: AsyncIterator[bytes], queue: asyncio.Queue[bytes | None]) -> None:
+async def _read(
+    source: AsyncIterator[list[bytes]], queue: asyncio.Queue[list[bytes] | None]
+) -> None:
     """Reader side of a generate stream: payloads into `queue`, then None."""
     try:
-        async for payload in source:
+        async for payloads in source:
             if queue.qsize() >= QUEUE_LIMIT:
                 raise UpstreamError("derender fell too far behind generate")
-            queue.put_nowait(payload)
+            queue.put_nowait(payloads)
     finally:
         queue.put_nowait(None)
 
 
-async def _batches(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[list[GenerateStreamChunk]]:
+async def _batches(
+    queue: asyncio.Queue[list[bytes] | None],
+) -> AsyncIterator[list[GenerateStreamChunk]]:
     """Everything queued at each turn, decoded and merged per choice."""
     while True:
-        payloads = [await queue.get()]
+        items = [await queue.get()]
         while not queue.empty():
-            payloads.append(queue.get_nowait())
-        decoded = [generate_chunk(p) for p in payloads if p is not None]
+            items.append(queue.get_nowait())
+        decoded = [generate_chunk(p) for item in items if item is not None for p in item]
         if decoded:
             yield merge_chunks(decoded)
-        if payloads[-1] is None:
+        if items[-1] is None:
             return

@@ -29,6 +29,7 @@ from tokenline.shared.wire import ERROR
 REPLICA_STATUSES = frozenset({408, 429, 502, 503, 504})
 """Answers that say the replica (not the request) is in trouble, even with an envelope."""
 GENERATE_PATH = "/inference/v1/generate"
+SSE_LINE_LIMIT = 1 << 24  # one generate chunk's JSON (a step's tokens, with their logprobs)
 
 
 @contextlib.contextmanager
@@ -111,9 +112,9 @@ async def stream_payloads(
     body: bytes,
     headers: Mapping[str, str],
     limits: aiohttp.ClientTimeout,
-) -> AsyncIterator[bytes]:
-    """The SSE `data:` payloads of a streaming generate call. Leaving early closes the
-    connection, which aborts the request in vLLM.
+) -> AsyncIterator[list[bytes]]:
+    """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
+    read together. Leaving early closes the connection, which aborts the request in vLLM.
 
     vLLM checks some inputs (a structured-output grammar) only once its 200 has gone out: an
     error event before any output is then that error's own status, as if it had been the
@@ -124,16 +125,45 @@ async def stream_payloads(
         ) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
+            events = SseEvents()
             first = True
-            async for line in resp.content:
-                if line.startswith(b"data: "):
-                    payload = line[6:].rstrip(b"\r\n")
-                    if payload == b"[DONE]":
-                        return
-                    if first and payload.startswith(b'{"error"'):
-                        raise rejected_or_failed(pool.role, worker, _code(payload), payload)
-                    first = False
-                    yield payload
+            async for data in resp.content.iter_any():
+                payloads = events.feed(data)
+                if first and payloads and payloads[0].startswith(b'{"error"'):
+                    raise rejected_or_failed(pool.role, worker, _code(payloads[0]), payloads[0])
+                first = first and not payloads
+                if events.done:
+                    if payloads:
+                        yield payloads
+                    return
+                if payloads:
+                    yield payloads
+
+
+class SseEvents:
+    """`data:` payloads out of an SSE byte stream, as reads cut it (sans-IO): one split per
+    read, not one read call per line."""
+
+    def __init__(self) -> None:
+        self.tail = b""
+        self.done = False
+        """`[DONE]` came: nothing after it counts."""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        lines = (self.tail + data).split(b"\n")
+        self.tail = lines.pop()
+        if len(self.tail) > SSE_LINE_LIMIT:
+            raise UpstreamError(f"generate sent an SSE line over {SSE_LINE_LIMIT} bytes")
+        payloads = []
+        for line in lines:
+            if not line.startswith(b"data: "):
+                continue  # blank lines between events, comments, other fields
+            payload = line[6:].rstrip(b"\r")
+            if payload == b"[DONE]":
+                self.done = True
+                break
+            payloads.append(payload)
+        return payloads
 
 
 def _code(payload: bytes) -> int:

@@ -88,6 +88,7 @@ def _front(model: Path) -> list[Process]:
 
 def _proxy(render: Process, derender: Process, generate: list[str]) -> Process:
     args = ["--open", "--render", render.url, "--derender", derender.url, *generate]
+    args += ["--derender-transport", "batched"]  # as `tokenline up` and compose run it
     return servers.tokenline("bench-proxy", "proxy", *args)
 
 
