@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -77,6 +79,42 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+# Compiled chat templates one tokenizer keeps: the model's own, and the request templates
+# (--trust-request-chat-template) last used. Past it, the least recently used is dropped.
+TEMPLATE_CACHE_SIZE = 16
+
+
+class TemplateCache:
+    """Compiled Jinja templates by source text, least recently used dropped past `size`.
+
+    Only the source is the key: tools, messages and template kwargs are the context of each
+    render, never part of a compiled template, so requests that differ in them share an entry
+    safely. Thread-safe (render threads share it); a template compiles outside the lock."""
+
+    def __init__(self, size: int = TEMPLATE_CACHE_SIZE) -> None:
+        self.size = size
+        self._env = _jinja_env()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, jinja2.Template] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, source: str) -> jinja2.Template:
+        with self._lock:
+            found = self._entries.get(source)
+            if found is not None:
+                self._entries.move_to_end(source)
+                return found
+        compiled = self._env.from_string(source)
+        with self._lock:
+            self._entries[source] = compiled
+            self._entries.move_to_end(source)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return compiled
+
+
 @dataclass
 class ModelTokenizer:
     """Everything render and derender need to know about one model."""
@@ -87,7 +125,7 @@ class ModelTokenizer:
     tokenizer_config: dict[str, Any]
     generation_config: dict[str, Any]
     chat_template: str | None
-    _templates: dict[str, jinja2.Template] = field(default_factory=dict, repr=False)
+    templates: TemplateCache = field(default_factory=TemplateCache, repr=False)
 
     @classmethod
     def load(cls, path: str | Path, chat_template: str | None = None) -> ModelTokenizer:
@@ -208,11 +246,6 @@ class ModelTokenizer:
         """ "openai" when the template iterates a message's content parts, else "string"."""
         return "openai" if _ITERATES_CONTENT.search(self.chat_template or "") else "string"
 
-    def _compiled(self, source: str) -> jinja2.Template:
-        if source not in self._templates:
-            self._templates[source] = _jinja_env().from_string(source)
-        return self._templates[source]
-
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -237,7 +270,7 @@ class ModelTokenizer:
         context = {"documents": None, **self.special_tokens_map, **(kwargs or {})}
         context |= {"messages": messages, "tools": tools}
         context["add_generation_prompt"] = add_generation_prompt
-        rendered = self._compiled(source).render(context)
+        rendered = self.templates.get(source).render(context)
         return _cut_at_tag(rendered, final) if continue_final_message else rendered
 
 

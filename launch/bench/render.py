@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import aiohttp
@@ -58,6 +59,21 @@ async def drive(
     return await closed_loop(name, concurrency, duration, one)
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in a process group (a server and its
+    workers): what a request costs the server, whatever else the shared machine runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def _merged(parts: list[Result]) -> Result:
     first = parts[0]
     return Result(
@@ -71,15 +87,23 @@ def _merged(parts: list[Result]) -> Result:
 
 
 def interleaved(
-    targets: dict[str, str], mix: list[tuple[str, bytes]], c: int, duration: float, rounds: int
-) -> dict[str, Result]:
-    """Each target (label: url) in turn for `duration / rounds` seconds, `rounds` times, merged:
-    load from elsewhere on a shared machine then falls on every target alike."""
+    targets: dict[str, tuple[str, int]],
+    mix: list[tuple[str, bytes]],
+    c: int,
+    duration: float,
+    rounds: int,
+) -> dict[str, tuple[Result, float]]:
+    """Each target (label: (url, process group)) in turn for `duration / rounds` seconds,
+    `rounds` times, merged: load from elsewhere on a shared machine then falls on every target
+    alike. Each result comes with the CPU seconds its server spent."""
     parts: dict[str, list[Result]] = {label: [] for label in targets}
+    cpu = dict.fromkeys(targets, 0.0)
     for _ in range(rounds):
-        for label, url in targets.items():
+        for label, (url, pgid) in targets.items():
+            before = group_cpu_seconds(pgid)
             parts[label].append(asyncio.run(drive(label, url, mix, c, duration / rounds)))
-    return {label: _merged(p) for label, p in parts.items()}
+            cpu[label] += group_cpu_seconds(pgid) - before
+    return {label: (_merged(p), cpu[label]) for label, p in parts.items()}
 
 
 def _servers(model: Path, served: str, executors: list[str]) -> dict[str, Process]:
@@ -112,11 +136,11 @@ def run_model(served: str, args: argparse.Namespace) -> None:
     try:
         servers.start_all(list(started.values()), 180)
         mix = request_mix(served, args.long_every)
-        urls = {label: server.url for label, server in started.items()}
+        urls = {label: (server.url, _pgid(server)) for label, server in started.items()}
         results = {
-            (label, c): result
+            (label, c): measured
             for c in args.concurrency
-            for label, result in interleaved(urls, mix, c, args.duration, args.rounds).items()
+            for label, measured in interleaved(urls, mix, c, args.duration, args.rounds).items()
         }
     finally:
         for s in started.values():
@@ -125,7 +149,21 @@ def run_model(served: str, args: argparse.Namespace) -> None:
     print(f"\nrender {served}: {len(mix)}-request mix ({longs}), {args.duration:.0f} s per point")
     for kind in args.executors:
         print(f"-- tokenline {kind}s against vllm launch render")
-        report([(results[(kind, c)], results[("vllm", c)]) for c in args.concurrency])
+        report([(results[(kind, c)][0], results[("vllm", c)][0]) for c in args.concurrency])
+        for c in args.concurrency:
+            mine, theirs = (
+                results[(label, c)][1] * 1e6 / results[(label, c)][0].count
+                for label in (kind, "vllm")
+            )
+            print(
+                f"{'server CPU':>10} c={c:<3} {mine:.0f} vs {theirs:.0f} us/request "
+                f"(vLLM/tokenline = {theirs / mine:.2f}x)"
+            )
+
+
+def _pgid(server: Process) -> int:
+    assert server.proc is not None
+    return server.proc.pid  # each server leads its own session, so its group
 
 
 def main() -> None:

@@ -8,14 +8,15 @@ generate server should never see.
 from __future__ import annotations
 
 import json
-import secrets
+import os
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 import msgspec
 
-from tokenline.services.derender.parsers.adjust import skips_special_tokens
+from tokenline.services.derender.parsers.adjust import skips_special_tokens, thinking_override
 from tokenline.services.render.bounds import (
     Bounds,
     check_choices,
@@ -80,8 +81,16 @@ class RenderSettings:
     reasoning_parser: str | None = None
 
 
+# Request IDs need uniqueness, not secrecy (vLLM's own are uuid4s, never checked for either).
+# `secrets` reads os.urandom per call: a syscall that drops the GIL, and under load a render
+# thread then waited a switch interval (5 ms) to win it back, on every request (profiled).
+# Seeded from os.urandom, reseeded in every forked worker, so processes never repeat a stream.
+_IDS = random.Random()
+os.register_at_fork(after_in_child=_IDS.seed)
+
+
 def random_id() -> str:
-    return secrets.token_hex(8)
+    return f"{_IDS.getrandbits(64):016x}"
 
 
 def check_model(model: str | None, settings: RenderSettings) -> str:
@@ -192,6 +201,8 @@ def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[
 def _template_kwargs(request: ChatCompletionRequest, settings: RenderSettings) -> dict[str, Any]:
     kwargs = dict(settings.default_chat_template_kwargs)
     kwargs |= request.chat_template_kwargs or {}
+    if request.reasoning_effort is not None:  # vLLM passes it, and thinking follows it
+        kwargs |= {"reasoning_effort": request.reasoning_effort, **thinking_override(request)}
     untrusted = request.chat_template is not None or "chat_template" in kwargs
     if untrusted and not settings.trust_request_chat_template:
         raise BadRequest(
@@ -407,7 +418,7 @@ def prompts_of(
         for text in texts:
             if request.truncate_prompt_tokens is None:
                 check_prompt_chars(len(text), settings.max_model_len, tok.max_token_chars, "prompt")
-        encoded = [tok.encode(p, add_special_tokens=add_special) for p in texts]
+        encoded = tok.encode_many(texts, add_special)
         return [truncated(ids, request, settings.max_model_len) for ids in encoded]
     try:
         lists = (
