@@ -60,12 +60,25 @@ class Decoded:
 
 
 def decode_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> Decoded:
+    whole = _WHOLE.get((id(tok), token_id))
+    if whole is not None:
+        return whole
     if token_id >= tok.tokenizer_size:  # padding rows of the embedding: no text at all
         return Decoded("", [])
     text = tok.decode_one(token_id)
-    if text.endswith(REPLACEMENT):
+    if text.endswith(REPLACEMENT):  # depends on the context: never cached
         text = correct_decoded_token(tok, token_id, context)
-    return Decoded(text, list(text.encode("utf-8", errors="replace")))
+        return Decoded(text, list(text.encode("utf-8", errors="replace")))
+    found = _WHOLE[(id(tok), token_id)] = Decoded(text, list(text.encode("utf-8", "replace")))
+    _TOKENIZERS[id(tok)] = tok  # keeps the identity in the key from being reused
+    return found
+
+
+_WHOLE: dict[tuple[int, int], Decoded] = {}
+"""Tokens whose text stands alone (no U+FFFD), decoded once per process: every logprob entry
+shows the sampled token and its candidates (bounded by the vocabularies in use; the bytes
+lists are shared, never changed)."""
+_TOKENIZERS: dict[int, ModelTokenizer] = {}
 
 
 def completion_candidates(entry: GenerateLogProbsContent, k: int | None) -> list[GenerateLogProb]:
@@ -90,7 +103,9 @@ class LogprobResolver:
         self.context = list(context)[-LOGPROB_CONTEXT:]
 
     def _advance(self, token_id: int) -> None:
-        self.context = [*self.context, token_id][-LOGPROB_CONTEXT:]
+        self.context.append(token_id)
+        if len(self.context) > LOGPROB_CONTEXT:
+            del self.context[0]
 
     def chat(
         self, entries: Sequence[GenerateLogProbsContent], top: int | None

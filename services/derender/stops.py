@@ -10,7 +10,7 @@ are not part of the output (and not counted in usage).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STOP_TAIL_CHARS = 65536
 """What a stream state's stop tail may hold whatever the request says; longer only when the
@@ -58,10 +58,11 @@ class StopChecker:
     stops: list[str]
     include_in_output: bool
     state: StopState
+    context: int = field(init=False)
+    """`tail_room(stops)`: the text kept between chunks for a match to start in."""
 
-    @property
-    def context(self) -> int:
-        return tail_room(self.stops)
+    def __post_init__(self) -> None:
+        self.context = tail_room(self.stops)
 
     @property
     def holdback(self) -> int:
