@@ -106,7 +106,7 @@ def interleaved(
     return {label: (_merged(p), cpu[label]) for label, p in parts.items()}
 
 
-def _servers(model: Path, served: str, executors: list[str]) -> dict[str, Process]:
+def _servers(model: Path, served: str, executors: list[str], workers: int) -> dict[str, Process]:
     found = {
         kind: servers.tokenline(
             f"bench-render-{served}-{kind}",
@@ -120,7 +120,7 @@ def _servers(model: Path, served: str, executors: list[str]) -> dict[str, Proces
             "--executor",
             kind,
             "--workers",
-            "2",
+            str(workers),
         )
         for kind in executors
     }
@@ -132,7 +132,7 @@ def _servers(model: Path, served: str, executors: list[str]) -> dict[str, Proces
 
 def run_model(served: str, args: argparse.Namespace) -> None:
     model = build(served, servers.build_dir() / "models" / served)
-    started = _servers(Path(model), served, args.executors)
+    started = _servers(Path(model), served, args.executors, args.workers)
     try:
         servers.start_all(list(started.values()), 180)
         mix = request_mix(served, args.long_every)
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny"], choices=["tiny", "tiny-qwen3"])
     parser.add_argument("--executors", nargs="+", default=["thread"], choices=["thread", "process"])
     parser.add_argument("--long-every", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2, help="tokenline's render workers")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved slices per point")
     args = parser.parse_args()
     for served in args.models:
