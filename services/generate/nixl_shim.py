@@ -1,10 +1,22 @@
-"""vLLM's NixlConnector with NIXL's progress thread throttled (loaded inside vLLM only).
+"""vLLM's NixlConnector made fit for a CPU box: NIXL's progress thread throttled, and the engine
+kept on its own cores (loaded inside vLLM only).
 
-NIXL's Python API creates every agent with `pthrDelay = 0`, so the UCX progress thread spins on
-`poll(timeout=0)` and burns a whole core per instance even when idle. This module re-exports
-vLLM's own `NixlConnector` after wrapping NIXL's binding so that each agent is created with a
-delay (`NIXL_PTHR_DELAY_US`, default 1000 us): idle CPU drops to a few percent. Turning the
-thread off instead is not a fix: transfers then stall while the peer is idle.
+Progress thread: NIXL's Python API creates every agent with `pthrDelay = 0`, so the UCX progress
+thread spins on `poll(timeout=0)` and burns a whole core per instance even when idle. Each agent
+is created here with a delay (`NIXL_PTHR_DELAY_US`, default 1000 us): idle CPU drops to a few
+percent. Turning the thread off instead is not a fix: transfers then stall while the peer is idle.
+
+Cores: on CPU, vLLM 0.32's NIXL worker "reserves" the last core of each NUMA node for KV loads
+with `os.sched_setaffinity(0, ...)` on the engine's main thread (`base_worker.py`,
+`discover_numa_topology`), and the threads it starts afterwards (NIXL's progress thread among
+them) inherit that core. On a one-node box every P/D engine thus computes on the same last core,
+whatever `VLLM_CPU_OMP_THREADS_BIND` says (and with `--distributed-executor-backend uni`, which
+`tokenline generate` uses, vLLM never applies that variable at all: only its multiproc executor
+does). A prefill and a decode sharing one core, each with an OpenMP pool sized for the whole
+box, starve each other: a decode then waits seconds for its KV while the other core idles.
+After the worker connector is built, every thread of the engine is put back on the cores
+`VLLM_CPU_OMP_THREADS_BIND` names (else on the cores the process had before), and OpenMP gets
+one thread per core.
 
 vLLM loads it through `kv_transfer_config.kv_connector_module_path`; `kv_connector` stays
 "NixlConnector" because vLLM applies its NIXL checks by that name.
@@ -12,14 +24,21 @@ vLLM loads it through `kv_transfer_config.kv_connector_module_path`; `kv_connect
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from typing import Any
 
 import nixl._api as nixl_api
+import torch
 import vllm.distributed.nixl_utils  # noqa: F401  # sets vLLM's UCX variables before NIXL loads
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 
 DEFAULT_DELAY_US = 1000
+log = logging.getLogger("vllm.tokenline_nixl_shim")  # under vLLM's handlers
+# What the engine had before NIXL's worker moved it (this module loads before the connector).
+INHERITED_CORES = frozenset(os.sched_getaffinity(0))
 
 
 class _ThrottledAgents:
@@ -34,6 +53,41 @@ class _ThrottledAgents:
     def nixlAgent(self, name: str, config: Any) -> Any:
         config.pthrDelay = int(os.environ.get("NIXL_PTHR_DELAY_US", DEFAULT_DELAY_US))
         return self._real.nixlAgent(name, config)
+
+
+def bound_cores(mask: str | None) -> frozenset[int] | None:
+    """The cores a `VLLM_CPU_OMP_THREADS_BIND` value names ("1", "0-1", "0,2-3"); None for
+    unset, `auto`, `nobind`, or one list per rank ("0|1": not one engine's cores)."""
+    if not mask or mask in ("auto", "nobind") or "|" in mask:
+        return None
+    cores: set[int] = set()
+    for part in mask.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return frozenset(cores)
+
+
+def keep_engine_on(cores: frozenset[int]) -> None:
+    """Every thread of this process on `cores`, and OpenMP one thread per core."""
+    for tid in os.listdir("/proc/self/task"):
+        # a thread may end meanwhile, or be one we may not move
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setaffinity(int(tid), cores)
+    if torch.get_num_threads() != len(cores):
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op; this is the real one.
+        torch._C.set_num_threads(len(cores))
+    log.info("NIXL engine kept on cores %s (%d OpenMP threads)", sorted(cores), len(cores))
+
+
+class NixlConnector(VllmNixlConnector):  # type: ignore[misc]
+    """vLLM's NixlConnector, with the engine put back on its own cores once the worker side is
+    built (NIXL's worker moves it to the box's last core)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER:
+            mask = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+            keep_engine_on(bound_cores(mask) or INHERITED_CORES)
 
 
 if not isinstance(nixl_api.nixlBind, _ThrottledAgents):
