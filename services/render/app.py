@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,17 +76,8 @@ def _start_threads(
     return RenderState(pool, renderer.chat, renderer.completion, settings, tokenize_fn)
 
 
-def serial_tokenizers() -> None:
-    """Let each encode run in its calling render thread (still without the GIL) instead of
-    handing it to the Rust tokenizers' own thread pool: render parallelizes across requests
-    already, and the handoff per encode (a wake-up there, a wait here, pool threads spinning
-    on a 2-core machine) cost CPU on every request. An operator's own setting wins."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
 async def executor_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    serial_tokenizers()
     tok = await asyncio.to_thread(ModelTokenizer.load, config.model, config.chat_template)
     settings = settings_for(config, tok)
     if config.executor == "process":

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenline.launch.bench.corpus import TEXTS, TOOLS, long_text
-from tokenline.services.render.app import serial_tokenizers
 from tokenline.services.render.render import RenderSettings, random_id, render_chat
 from tokenline.shared.tokenizer import ModelTokenizer, TemplateCache
 from tokenline.shared.wire import CHAT_REQUEST
@@ -149,14 +148,3 @@ def test_forked_workers_draw_different_request_ids() -> None:
     os.close(read)
     assert len(child) == 16
     assert child != random_id()
-
-
-def test_tokenizers_run_serially_unless_the_operator_says_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    serial_tokenizers()
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
-    serial_tokenizers()
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
