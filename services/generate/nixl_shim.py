@@ -34,6 +34,7 @@ import torch
 import vllm.distributed.nixl_utils  # noqa: F401  # sets vLLM's UCX variables before NIXL loads
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
+from vllm.platforms import current_platform
 
 DEFAULT_DELAY_US = 1000
 log = logging.getLogger("vllm.tokenline_nixl_shim")  # under vLLM's handlers
@@ -67,16 +68,18 @@ def bound_cores(mask: str | None) -> frozenset[int] | None:
     return frozenset(cores)
 
 
-def keep_engine_on(cores: frozenset[int]) -> None:
-    """Every thread of this process on `cores`, and OpenMP one thread per core."""
+def keep_engine_on(cores: frozenset[int], omp_threads: int | None) -> None:
+    """Every thread of this process on `cores`, and OpenMP `omp_threads` threads (None: as is)."""
     for tid in os.listdir("/proc/self/task"):
         # a thread may end meanwhile, or be one we may not move
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.sched_setaffinity(int(tid), cores)
-    if torch.get_num_threads() != len(cores):
+    if omp_threads is not None and torch.get_num_threads() != omp_threads:
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op; this is the real one.
-        torch._C.set_num_threads(len(cores))
-    log.info("NIXL engine kept on cores %s (%d OpenMP threads)", sorted(cores), len(cores))
+        torch._C.set_num_threads(omp_threads)
+    log.info(
+        "NIXL engine kept on cores %s (%d OpenMP threads)", sorted(cores), torch.get_num_threads()
+    )
 
 
 class NixlConnector(VllmNixlConnector):  # type: ignore[misc]
@@ -85,9 +88,10 @@ class NixlConnector(VllmNixlConnector):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if role == KVConnectorRole.WORKER:
-            mask = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-            keep_engine_on(bound_cores(mask) or INHERITED_CORES)
+        # Only vLLM's CPU platform moves the engine (GPU deployments load this module too).
+        if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
+            cores = bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+            keep_engine_on(cores or INHERITED_CORES, len(cores) if cores else None)
 
 
 if not isinstance(nixl_api.nixlBind, _ThrottledAgents):
