@@ -87,16 +87,22 @@ def _whole(tok: ModelTokenizer, pair: str, ids: list[int], **extra: Any) -> dict
 def _streamed(
     tok: ModelTokenizer, pair: str, ids: list[int], cuts: list[int], **extra: Any
 ) -> list[dict[str, Any]]:
+    return [a["chunk"] for a in _answers(tok, pair, ids, cuts, "stop", **extra)]
+
+
+def _answers(
+    tok: ModelTokenizer, pair: str, ids: list[int], cuts: list[int], finish: str, **extra: Any
+) -> list[dict[str, Any]]:
+    """Every streaming derender answer for `ids` cut at `cuts`, the state carried as JSON."""
     state: Any = None
-    chunks = []
-    bounds = [0, *sorted(set(cuts)), len(ids)]
+    answers = []
+    bounds = [0, *sorted({c for c in cuts if c < len(ids)}), len(ids)]
     for a, b in itertools.pairwise(bounds):
-        last = b == len(ids)
         choice = {
             "index": 0,
             "token_ids": ids[a:b],
             "logprobs": _logprobs(ids[a:b]),
-            "finish_reason": "stop" if last else None,
+            "finish_reason": finish if b == len(ids) else None,
         }
         body = {
             "stream": True,
@@ -105,10 +111,9 @@ def _streamed(
             "chat_request": _request(stream=True, **extra),
         }
         out = derender(CHAT, DERENDER_CHAT.decode(json.dumps(body)), tok, _settings(pair))
-        answer = json.loads(JSON.encode(out))
-        state = answer["stream_state"]  # as the proxy carries it: JSON
-        chunks.append(answer["chunk"])
-    return chunks
+        answers.append(json.loads(JSON.encode(out)))
+        state = answers[-1]["stream_state"]  # as the proxy carries it: JSON
+    return answers
 
 
 def _reassembled(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -251,21 +256,7 @@ def test_a_streams_reasoning_count_is_the_whole_answers(
     }
     whole = derender(CHAT, DERENDER_CHAT.decode(json.dumps(body)), qwen3_tok, _settings(pair))
     expected = json.loads(JSON.encode(whole))["usage"]["completion_tokens_details"]
-    state: Any = None
-    for a, b in itertools.pairwise([0, *sorted({c for c in cuts if c < len(ids)}), len(ids)]):
-        choice = {
-            "index": 0,
-            "token_ids": ids[a:b],
-            "finish_reason": finish if b == len(ids) else None,
-        }
-        call = {
-            "stream": True,
-            "generate_chunk": {"request_id": "r", "choices": [choice]},
-            "stream_state": state,
-            "chat_request": _request(stream=True, **extra),
-        }
-        out = derender(CHAT, DERENDER_CHAT.decode(json.dumps(call)), qwen3_tok, _settings(pair))
-        state = json.loads(JSON.encode(out))["stream_state"]
+    state = _answers(qwen3_tok, pair, ids, cuts, finish, **extra)[-1]["stream_state"]
     assert state["reasoning_tokens"] == expected["reasoning_tokens"]
 
 
