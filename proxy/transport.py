@@ -87,13 +87,7 @@ class _Pending:
 
 @dataclass
 class BatchedDerender(HttpDerender):
-    """Streaming calls gathered into one batch per derender replica, at most one batch in
-    flight per replica: calls made while one is out wait for it and go together in the next.
-
-    A derender serves its calls one after another, so a second batch sent now would wait there
-    anyway; waiting here instead lets every stream's chunk of an engine step, which arrive over
-    several event-loop turns, share one call (self-clocking: an idle proxy sends at once).
-    """
+    """Streaming calls gathered per event-loop turn into one batch per derender replica."""
 
     waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
     flushing: set[asyncio.Task[None]] = field(default_factory=set)
@@ -102,38 +96,21 @@ class BatchedDerender(HttpDerender):
     async def stream(self, call: StreamCall) -> StreamAnswer:
         future: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
         self.waiting.setdefault(call.kind.name, []).append(_Pending(call, future))
-        self._schedule()
-        return await future
-
-    def _schedule(self) -> None:
-        if not self.scheduled and len(self.flushing) < self._slots():
+        if not self.scheduled:
             self.scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
-
-    def _slots(self) -> int:
-        return max(1, len(self.pool.healthy()))
+        return await future
 
     def _flush(self) -> None:
         self.scheduled = False
-        free = self._slots() - len(self.flushing)
-        if free <= 0:
-            return  # a batch coming back flushes again
         waiting, self.waiting = self.waiting, {}
-        batches = []
+        replicas = max(1, len(self.pool.healthy()))
         for items in waiting.values():
             live = [p for p in items if not p.answer.done()]  # a caller may have gone
-            batches += _split(live, free)
-        for batch in batches[:free]:
-            task = asyncio.create_task(self._send(batch))
-            self.flushing.add(task)
-            task.add_done_callback(self._sent)
-        for batch in batches[free:]:  # another kind's, or beyond a batch's size: next turn
-            self.waiting.setdefault(batch[0].call.kind.name, []).extend(batch)
-
-    def _sent(self, task: asyncio.Task[None]) -> None:
-        self.flushing.discard(task)
-        if self.waiting:
-            self._schedule()
+            for batch in _split(live, replicas):
+                task = asyncio.create_task(self._send(batch))
+                self.flushing.add(task)
+                task.add_done_callback(self.flushing.discard)
 
     async def _send(self, batch: list[_Pending]) -> None:
         kind = batch[0].call.kind

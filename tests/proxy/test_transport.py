@@ -108,40 +108,6 @@ async def test_one_turn_of_calls_is_one_batch_per_replica(
             await s.close()
 
 
-async def test_calls_made_while_a_batch_is_out_go_together_in_the_next(
-    session: aiohttp.ClientSession,
-) -> None:
-    """One batch in flight per replica: calls arriving while it is out (an engine step's
-    chunks of several streams, over several loop turns) wait for it and share the next."""
-    fake = FakeDerender()
-    release = asyncio.Event()
-    answer = fake.batch
-
-    async def slow(request: web.Request) -> web.Response:
-        await release.wait()
-        return await answer(request)
-
-    fake.app = web.Application()
-    fake.app.router.add_post(CHAT.batch_path, slow)
-    pool, servers = await serve([fake])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
-    try:
-        first = asyncio.ensure_future(transport.stream(call(0)))
-        await asyncio.sleep(0.05)  # the first batch is out
-        later = []
-        for t in range(1, 6):  # one call per loop turn
-            later.append(asyncio.ensure_future(transport.stream(call(t))))
-            await asyncio.sleep(0)
-        release.set()
-        answers = [await first, *[await f for f in later]]
-        assert [_content(a) for a in answers] == [str(t) for t in range(6)]
-        assert fake.batches == [1, 5]
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
-
-
 async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession) -> None:
     fake = FakeDerender()
     pool, servers = await serve([fake])
