@@ -242,6 +242,9 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     """SIGKILL of one of the two decode engines while long streams run on both: every affected
     stream continues on the other one, identical to an unbroken run, usage counted once.
     (Last in the module: the killed engine stays dead.)"""
+    # both decodes in the rotation (an earlier test partitioned decode-0): else every stream
+    # may run on decode-1 and the kill hits an idle engine
+    await _until_serving(rehearsal, "generate-decode", 2, within=60)
     async with aiohttp.ClientSession() as session:
         for i in range(6):
             BASELINE[i, LONG] = await stream(session, rehearsal.proxy.url, i, LONG)
@@ -256,11 +259,14 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
 
     generated = progress()[1]
 
+    busy: list[bool] = []
+
     async def kill() -> None:
         # once streams run on the victim and have sent output (else they rerun, not migrate)
-        for _ in range(200):
+        for _ in range(400):
             running, done = await asyncio.to_thread(progress)
             if running >= 1 and done > generated + 40:
+                busy.append(True)
                 break
             await asyncio.sleep(0.05)
         victim.stop(signal.SIGKILL)
@@ -268,4 +274,5 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     report = await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG)
     report.show("SIGKILL of generate-decode-0")
     assert (report.completed, report.identical, report.errored) == (6, 6, 0), report.errors
+    assert busy, "no stream had run on the victim for 20 s: the kill proved nothing"
     assert proxy_metric(rehearsal, "tokenline_proxy_migrations_total") > before

@@ -8,12 +8,11 @@ under load, the "deferred" stall). The pair here is started as `tokenline genera
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tokenline.launch import servers
+from tests.conftest import Fleet
 from tokenline.launch.process import Process
 from tokenline.proxy.flow import PREFILL_PARAMS
 
@@ -38,22 +37,17 @@ def test_bound_cores_reads_vllms_mask(mask: str | None, cores: set[int] | None) 
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model: Path) -> Iterator[tuple[Process, Process]]:
+def pair(fleet: Fleet) -> tuple[Process, Process]:
+    """The fleet's P/D pair: started as `tokenline generate` starts it, on cores 0 and 1 (a
+    pair of its own would be two more engines beside the fleet's nine: more than memory)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores: one per P/D engine")
-    prefill = servers.generate_role("shim-prefill", tiny_model, "prefill", "0")
-    decode = servers.generate_role("shim-decode", tiny_model, "decode", "1")
-    try:
-        servers.start_all([prefill, decode], 600)
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
+    return fleet.prefill, fleet.decode
 
 
 def engine_core(api: Process) -> int:
     """The pid of vLLM's engine-core process under an API server."""
-    assert api.proc is not None
+    server = api_pid(api)
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -62,9 +56,25 @@ def engine_core(api: Process) -> int:
         except OSError:
             continue
         name, rest = stat.partition("(")[2].rpartition(")")[::2]
-        if name.startswith("VLLM::EngineCor") and int(rest.split()[1]) == api.proc.pid:
+        if name.startswith("VLLM::EngineCor") and int(rest.split()[1]) == server:
             return int(pid)
     raise AssertionError(f"no engine core under {api.name}")
+
+
+def api_pid(api: Process) -> int:
+    """The API server's pid: the one this run started, or (a reused fleet) the vLLM whose
+    command line serves `api`'s port."""
+    if api.proc is not None:
+        return api.proc.pid
+    port = f"\0--port\0{api.port}\0".encode()
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() + b"\0"
+        except OSError:
+            continue
+        if b"vllm" in cmdline and port in cmdline:
+            return int(pid)
+    raise AssertionError(f"no process serves {api.name}'s port {api.port}")
 
 
 def thread_cores(pid: int) -> dict[int, set[int]]:
