@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp.test_utils import TestServer
 
 from tokenline.launch import servers
@@ -393,15 +392,6 @@ def test_gateway_engine_runs_the_monolithic_engine_flags(tmp_path: Path) -> None
     assert "--dtype" in grpc.argv and grpc.argv[grpc.argv.index("--dtype") + 1] == "float32"
     assert grpc.env is not None and grpc.env["SMG_VLLM_SERVICER_KV_EVENTS"] == "0"
     assert grpc.url.startswith("grpc://127.0.0.1:")
-
-
-def test_proxy_generate_transport_hook() -> None:
-    assert lineup.proxy_generate_args("http", "http://e") == ["--decode", "http://e"]
-    if lineup.grpc_transport_ready():
-        assert "--generate-transport" in lineup.proxy_generate_args("grpc", "grpc://e")
-    else:
-        with pytest.raises(SystemExit, match="no gRPC generate transport yet"):
-            lineup.proxy_generate_args("grpc", "grpc://e")
 
 
 def test_groups_run_together_unless_memory_is_short(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tokenline.launch import servers
 from tokenline.launch.bench import gateway as smg
@@ -24,7 +24,6 @@ from tokenline.launch.bench.http import post
 from tokenline.launch.bench.load import EngineTarget, OpenAITarget, Spec, Target
 from tokenline.launch.process import Process
 
-Transport = Literal["http", "grpc"]
 START_S = 600.0
 
 
@@ -59,26 +58,6 @@ def render_all(render_url: str, mix: list[Spec]) -> dict[int, dict[str, Any]]:
     return out
 
 
-def grpc_transport_ready() -> bool:
-    """Whether the proxy has a gRPC generate transport (being built: proxy/config.py)."""
-    from tokenline.proxy.config import ProxyConfig
-
-    return "generate_transport" in ProxyConfig.__struct_fields__
-
-
-def proxy_generate_args(transport: Transport, url: str) -> list[str]:
-    """How the proxy reaches its generate pool: `url` over HTTP, or a grpc:// URL over the
-    gRPC transport (the hook for proxy/config.py's `generate_transport`)."""
-    if transport == "http":
-        return ["--decode", url]
-    if not grpc_transport_ready():
-        raise SystemExit(
-            "--generate-transport grpc: this proxy has no gRPC generate transport yet "
-            "(proxy/config.py has no generate_transport)"
-        )
-    return ["--decode", url, "--generate-transport", "grpc"]
-
-
 def _front(model: Path) -> list[Process]:
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
     render = servers.tokenline("bench-render", "render", *common, "--workers", "2")
@@ -86,8 +65,8 @@ def _front(model: Path) -> list[Process]:
     return [render, derender]
 
 
-def _proxy(render: Process, derender: Process, generate: list[str]) -> Process:
-    args = ["--open", "--render", render.url, "--derender", derender.url, *generate]
+def _proxy(render: Process, derender: Process, generate: Process) -> Process:
+    args = ["--open", "--render", render.url, "--derender", derender.url, "--decode", generate.url]
     args += ["--derender-transport", "batched"]  # as `tokenline up` and compose run it
     return servers.tokenline("bench-proxy", "proxy", *args)
 
@@ -104,28 +83,23 @@ def monolithic(model: Path) -> Iterator[list[Running]]:
 def tokenline(
     model: Path,
     mix: list[Spec],
-    transport: Transport = "http",
     double_rate: float | None = None,
 ) -> Iterator[list[Running]]:
     """tokenline and the engine alone, on one engine (the generate double when `double_rate`
-    is set; over gRPC, tokenline gets vLLM's gRPC server and the engine alone its own)."""
+    is set). tokenline reaches it over HTTP: vLLM's gRPC generate server lacks fields tokenline
+    needs and costs more per token (`python -m tokenline.launch.bench.grpc`)."""
     if double_rate is not None:
         engine = servers.generate_double("bench-double", double_rate)
     else:
         engine = servers.oracle("bench-engine", model, "tiny")
-    generate = engine
-    if transport == "grpc":
-        generate = servers.grpc_engine("bench-grpc-engine", model, "tiny")
-    generate_args = proxy_generate_args(transport, generate.url)  # fails before any start
     render, derender = _front(model)
-    engines = [engine] if generate is engine else [engine, generate]
-    with _up([*engines, render, derender]):
-        proxy = _proxy(render, derender, generate_args)
+    with _up([engine, render, derender]):
+        proxy = _proxy(render, derender, engine)
         with _up([proxy]):
             ours = OpenAITarget("tokenline", proxy.url)
             alone = EngineTarget("engine", engine.url, render_all(render.url, mix), render.url)
             yield [
-                Running(ours, [proxy, render, derender], generate),
+                Running(ours, [proxy, render, derender], engine),
                 Running(alone, [], engine),
             ]
 

@@ -78,12 +78,12 @@ class Plan:
 def plan(args: argparse.Namespace, model: Path, mix: list[Spec]) -> Plan:
     if args.double:
         skipped = {"gateway": "needs vLLM's gRPC server, not the double"}
-        return Plan([lambda: lineup.tokenline(model, mix, "http", args.double_rate)], 0, skipped)
+        return Plan([lambda: lineup.tokenline(model, mix, args.double_rate)], 0, skipped)
     groups: list[Group] = [
         lambda: lineup.monolithic(model),
-        lambda: lineup.tokenline(model, mix, args.generate_transport),
+        lambda: lineup.tokenline(model, mix),
     ]
-    engines = 3 if args.generate_transport == "grpc" else 2
+    engines = 2
     skipped = {}
     if args.no_gateway:
         skipped["gateway"] = "--no-gateway"
@@ -204,7 +204,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chat_share": args.chat_share,
         "logprobs_share": args.logprobs_share,
         "sequential": sequential,
-        "generate_transport": args.generate_transport,
         "skipped": lineup_plan.skipped,
         "points": points,
     }
@@ -250,13 +249,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-gateway",
         action="store_true",
         help="skip the SGLang gateway target (default: on, its venv created if missing)",
-    )
-    parser.add_argument(
-        "--generate-transport",
-        choices=("http", "grpc"),
-        default="http",
-        help="how tokenline's proxy reaches vLLM (grpc: vLLM's gRPC server, once the proxy "
-        "has that transport)",
     )
     parser.add_argument(
         "--sequential",

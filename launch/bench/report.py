@@ -116,7 +116,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             f"Mix: {result['requests_in_mix']} seeded streaming requests, "
             f"{result['chat_share']:.0%} chat, {result['logprobs_share']:.0%} with top-2 "
-            f"logprobs; tokenline's generate transport: {result.get('generate_transport')}.",
+            "logprobs.",
             "",
         ]
     for name, why in result.get("skipped", {}).items():
