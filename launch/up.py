@@ -28,6 +28,7 @@ import msgspec
 from tokenline.launch.cli import child_argv
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process, ProcessExited, free_port, say, wait_all
+from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.parsers.registry import ReasoningParserName, ToolParserName
 from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
 from tokenline.shared.config import CommandLine, NonNegative, Port, Positive, Seconds
@@ -83,21 +84,19 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's reasoning parser, for render, derender and the engines (unset: none)."""
 
     def __post_init__(self) -> None:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        _ = self.parsers  # building them checks the flags together
 
     @property
     def pd(self) -> bool:
         return not self.no_pd and self.prefill > 0
 
-    def parser_flags(self) -> list[str]:
-        """The parser flags, as vLLM and tokenline's render and derender spell them."""
-        flags = ["--enable-auto-tool-choice"] if self.enable_auto_tool_choice else []
-        if self.tool_call_parser is not None:
-            flags += ["--tool-call-parser", self.tool_call_parser]
-        if self.reasoning_parser is not None:
-            flags += ["--reasoning-parser", self.reasoning_parser]
-        return flags
+    @property
+    def parsers(self) -> ParserFlags:
+        """The parser flags every tier gets (engines included: their reasoning parser decides
+        when a tool grammar starts)."""
+        return ParserFlags(
+            self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser
+        )
 
 
 CLI = CommandLine(UpConfig)
@@ -135,7 +134,7 @@ def _engines(up: UpConfig, model: Path, served: str) -> list[Process]:
             vllm_bin=up.vllm_bin,
             # the engine's reasoning parser decides when structured outputs start; a
             # tokens-only engine has no tokenizer to parse with (and takes no constraint)
-            extra_args=() if up.tokens_only else tuple(up.parser_flags()),
+            extra_args=() if up.tokens_only else tuple(up.parsers.argv()),
         )
         engines.append(_service(name, command(config), config.port, env=environment(config)))
     return engines
@@ -168,7 +167,7 @@ def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process
     for kind, count in (("render", up.render), ("derender", up.derender)):
         for i in range(count):
             port = free_port()
-            argv = child_argv(kind, *common, *up.parser_flags(), "--port", str(port))
+            argv = child_argv(kind, *common, *up.parsers.argv(), "--port", str(port))
             backends.append(_service(f"{kind}-{i}", argv, port))
 
     def urls(prefix: str) -> list[str]:

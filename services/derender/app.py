@@ -22,7 +22,6 @@ from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import DerenderRequest, derender
 from tokenline.services.derender.detokenize import detokenize
-from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.shared.errors import as_service_error
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
@@ -64,9 +63,7 @@ async def state_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = DerenderSettings(
         served_model_names=config.names,
         max_model_len=config.max_model_len or tok.max_position_embeddings,
-        parsers=ParserFlags(
-            config.enable_auto_tool_choice, config.tool_call_parser, config.reasoning_parser
-        ),
+        parsers=config.parsers,
     )
     pool = ThreadPoolExecutor(config.threads, thread_name_prefix="derender")
     app[STATE] = DerenderState(

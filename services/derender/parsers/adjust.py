@@ -19,9 +19,22 @@ class ParserFlags:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
     @property
     def any(self) -> bool:
         return self.tool_call_parser is not None or self.reasoning_parser is not None
+
+    def argv(self) -> list[str]:
+        """The flags, as vLLM and tokenline's render and derender spell them."""
+        flags = ["--enable-auto-tool-choice"] if self.enable_auto_tool_choice else []
+        if self.tool_call_parser is not None:
+            flags += ["--tool-call-parser", self.tool_call_parser]
+        if self.reasoning_parser is not None:
+            flags += ["--reasoning-parser", self.reasoning_parser]
+        return flags
 
 
 def thinking_override(request: ChatCompletionRequest) -> dict[str, bool]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar, get_args
 
 from tokenline.services.derender.parsers import deepseek_r1, qwen3
+from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.parsers.base import LeafParser, LeafState, ParserOptions
 from tokenline.services.derender.parsers.deepseek_r1 import DeepSeekR1, DeepSeekR1State
 from tokenline.services.derender.parsers.hermes import Hermes, HermesState
@@ -128,5 +129,10 @@ class ParsingService(ModelService, frozen=True, kw_only=True):
     """vLLM's reasoning parser to mirror (unset: none)."""
 
     def __post_init__(self) -> None:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        _ = self.parsers  # building them checks the flags together
+
+    @property
+    def parsers(self) -> ParserFlags:
+        return ParserFlags(
+            self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser
+        )
