@@ -21,7 +21,9 @@ from tokenline.shared.errors import UpstreamError
 from tokenline.shared.kinds import DERENDER_READS, Kind
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
+    CHUNK_HEAD,
     GENERATE_CHUNK,
+    STATE_COUNTS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionChunk,
@@ -33,8 +35,8 @@ from tokenline.shared.wire import (
     GenerateStreamChoice,
     GenerateStreamChunk,
     PromptLogprobs,
+    RawStreamAnswer,
     SamplingParams,
-    StopMatch,
     Usage,
 )
 
@@ -42,31 +44,6 @@ ClientRequest = ChatCompletionRequest | CompletionRequest
 ClientChunk = ChatCompletionChunk | CompletionChunk
 
 
-class RawStreamAnswer(msgspec.Struct):
-    """A streaming derender answer read lazily: the client's chunk and the next state stay
-    JSON (the chunk goes to the client as derender wrote it; the state goes back with the next
-    call), only the few fields the proxy reads are decoded (`ChunkHead`, `StateCounts`)."""
-
-    chunk: msgspec.Raw
-    stream_state: msgspec.Raw
-    stop_match: StopMatch | None = None
-
-
-class ChunkHead(msgspec.Struct):
-    model: str = ""
-    choices: list[msgspec.Raw] = []
-
-
-class StateCounts(msgspec.Struct):
-    """What the proxy reads of derender's state (vLLM's derender keeps neither: zeros)."""
-
-    completion_tokens: int = 0
-    reasoning_tokens: int | None = None
-
-
-RAW_STREAM_ANSWER = msgspec.json.Decoder(RawStreamAnswer)
-CHUNK_HEAD = msgspec.json.Decoder(ChunkHead)
-STATE_COUNTS = msgspec.json.Decoder(StateCounts)
 StreamAnswer = Any
 """`RawStreamAnswer`, or a decoded `DerenderChatStreamResponse` /
 `DerenderCompletionStreamResponse` (binary transports)."""

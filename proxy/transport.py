@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 import msgspec
 
-from tokenline.proxy.flow import RAW_STREAM_ANSWER, StreamAnswer, StreamCall
+from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
@@ -26,7 +26,7 @@ from tokenline.proxy.upstream import post_any
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
 from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.limits import DERENDER_BATCH_ITEMS
-from tokenline.shared.wire import ERROR, JSON, ErrorEnvelope
+from tokenline.shared.wire import ERROR, JSON, RAW_STREAM_ANSWER, ErrorEnvelope
 
 T = TypeVar("T")
 JSON_HEADERS = {"Content-Type": "application/json"}

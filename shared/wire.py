@@ -674,6 +674,31 @@ class DerenderStreamResponse(Wire, Generic[ChunkT], kw_only=True):
     stop_match: StopMatch | None = None
 
 
+class RawStreamAnswer(Wire, kw_only=True):
+    """A streaming derender answer as the proxy reads it, lazily: the client's chunk and the
+    next state stay JSON (the chunk goes to the client as derender wrote it; the state goes
+    back with the next call), only the few fields the proxy reads are decoded (`ChunkHead`,
+    `StateCounts`)."""
+
+    chunk: msgspec.Raw
+    stream_state: msgspec.Raw
+    stop_match: StopMatch | None = None
+
+
+class ChunkHead(Wire, kw_only=True):
+    """What the proxy reads of a derender chunk it sends on as it is."""
+
+    model: str = ""
+    choices: list[msgspec.Raw] = []
+
+
+class StateCounts(Wire, kw_only=True):
+    """What the proxy reads of derender's state (vLLM's derender keeps neither: zeros)."""
+
+    completion_tokens: int = 0
+    reasoning_tokens: int | None = None
+
+
 DerenderChatStreamResponse = DerenderStreamResponse[ChatCompletionChunk]
 DerenderCompletionStreamResponse = DerenderStreamResponse[CompletionChunk]
 
@@ -716,6 +741,9 @@ GENERATE_REQUESTS = msgspec.json.Decoder(list[GenerateRequest])
 GENERATE_RESPONSE = msgspec.json.Decoder(GenerateResponse)
 GENERATE_CHUNK = msgspec.json.Decoder(GenerateStreamChunk)
 ERROR = msgspec.json.Decoder(ErrorEnvelope)
+RAW_STREAM_ANSWER = msgspec.json.Decoder(RawStreamAnswer)
+CHUNK_HEAD = msgspec.json.Decoder(ChunkHead)
+STATE_COUNTS = msgspec.json.Decoder(StateCounts)
 CHAT_COMPLETION = msgspec.json.Decoder(ChatCompletion)
 CHAT_CHUNK = msgspec.json.Decoder(ChatCompletionChunk)
 COMPLETION_RESPONSE = msgspec.json.Decoder(Completion)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenline.services.derender.texts import fast_path
+from tokenline.services.derender.texts import token_texts
 from tokenline.shared.limits import DETOK_MAX_WINDOW, DETOK_PROMPT_SEED, DETOK_STATE_IDS
 from tokenline.shared.tokenizer import ModelTokenizer
 
@@ -74,7 +74,7 @@ class Detokenizer:
 
     def _step(self, token_id: int) -> str:
         state = self.state
-        if state.held == 0 and (own := fast_path(self.tok).own_text(token_id)) is not None:
+        if state.held == 0 and (own := token_texts(self.tok).own_text(token_id)) is not None:
             # nothing held back: the window's text ends on a character boundary, and this
             # token's bytes are whole characters (`texts.py`): what the general path computes
             state.ids, state.prefix = [token_id], 1

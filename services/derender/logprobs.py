@@ -13,8 +13,8 @@ OpenAI's format ahead of the output's (`prompt_completion_logprobs`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from tokenline.services.derender.texts import REPLACEMENT, Decoded, token_texts
 from tokenline.shared.limits import LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
@@ -27,7 +27,6 @@ from tokenline.shared.wire import (
     TopLogprob,
 )
 
-REPLACEMENT = "\ufffd"
 FLOOR = -9999.0
 """What OpenAI's JSON shows for a logprob of -inf (vLLM's clamp)."""
 
@@ -53,32 +52,14 @@ def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[
     return ""
 
 
-@dataclass(frozen=True)
-class Decoded:
-    token: str
-    bytes: list[int] | None
-
-
 def decode_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> Decoded:
-    whole = _WHOLE.get((id(tok), token_id))
-    if whole is not None:
-        return whole
     if token_id >= tok.tokenizer_size:  # padding rows of the embedding: no text at all
         return Decoded("", [])
-    text = tok.decode_one(token_id)
-    if text.endswith(REPLACEMENT):  # depends on the context: never cached
-        text = correct_decoded_token(tok, token_id, context)
-        return Decoded(text, list(text.encode("utf-8", errors="replace")))
-    found = _WHOLE[(id(tok), token_id)] = Decoded(text, list(text.encode("utf-8", "replace")))
-    _TOKENIZERS[id(tok)] = tok  # keeps the identity in the key from being reused
-    return found
-
-
-_WHOLE: dict[tuple[int, int], Decoded] = {}
-"""Tokens whose text stands alone (no U+FFFD), decoded once per process: every logprob entry
-shows the sampled token and its candidates (bounded by the vocabularies in use; the bytes
-lists are shared, never changed)."""
-_TOKENIZERS: dict[int, ModelTokenizer] = {}
+    found = token_texts(tok).standalone(token_id)
+    if found is not None:
+        return found
+    text = correct_decoded_token(tok, token_id, context)
+    return Decoded(text, list(text.encode("utf-8", errors="replace")))
 
 
 def completion_candidates(entry: GenerateLogProbsContent, k: int | None) -> list[GenerateLogProb]:

@@ -13,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenline.proxy.flow import (
-    RAW_STREAM_ANSWER,
     HopHeaders,
     Rendered,
     StreamFlow,
@@ -34,6 +33,7 @@ from tokenline.shared.wire import (
     CHAT_REQUEST,
     COMPLETION_REQUEST,
     JSON,
+    RAW_STREAM_ANSWER,
     ChatCompletionChunk,
     ChatStreamChoice,
     Delta,
