@@ -158,7 +158,7 @@ def tokenline(name: str, *args: str) -> Process:
     return Process(name, child_argv(*args, "--port", str(port)), port, output=log_file(name))
 
 
-def generate_double(name: str, tokens_per_second: float) -> Process:
+def generate_double(name: str, tokens_per_second: float, lockstep: bool = False) -> Process:
     """The benchmark-only fake generate server (`tokenline.launch.bench.double`)."""
     port = free_port()
     argv = [
@@ -169,5 +169,6 @@ def generate_double(name: str, tokens_per_second: float) -> Process:
         str(port),
         "--tokens-per-second",
         str(tokens_per_second),
+        *(["--lockstep"] if lockstep else []),
     ]
     return Process(name, argv, port, output=log_file(name))

@@ -117,12 +117,11 @@ def derender_transport(
     policy: RetryPolicy,
     metrics: ProxyMetrics,
 ) -> DerenderTransport:
-    kinds: dict[str, type[HttpDerender]] = {
-        "http": HttpDerender,
-        "zmq": ZmqDerender,
-        "batched": BatchedDerender,
-    }
-    return kinds[config.derender_transport](session, pool, policy, metrics)
+    if config.derender_transport == "batched":
+        return BatchedDerender(session, pool, policy, metrics, wait=config.derender_batch_wait)
+    if config.derender_transport == "zmq":
+        return ZmqDerender(session, pool, policy, metrics)
+    return HttpDerender(session, pool, policy, metrics)
 
 
 def generate_key(pools: Sequence[Pool], key: str | None) -> list[ClientMiddlewareType]:

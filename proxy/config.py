@@ -43,6 +43,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How stream chunks reach derender: http (vLLM's routes, one call per chunk), zmq (the
     address derender advertises at /v1/zmq) or batched (every chunk pending in one event-loop
     turn in one call per derender replica; tokenline's derender only)."""
+    derender_batch_wait: Seconds = 0.002
+    """batched: longest a call waits for the chunks other streams get in the same engine step
+    (a batch goes as soon as every stream's chunk is in)."""
     health_interval: Seconds = 2.0
     """Seconds between health checks of each replica."""
     max_in_flight: Positive = 1024

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, Worker
-from tokenline.proxy.retry import RetryPolicy, given_up_if_gone, on_replicas, reported
+from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
 from tokenline.shared.errors import (
@@ -158,7 +158,7 @@ class Hops:
 
     def generate_stream(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
-    ) -> tuple[Worker, AsyncIterator[list[bytes]]]:
+    ) -> tuple[Worker, AsyncGenerator[list[bytes], None]]:
         """A decode replica and the SSE payloads of `gen` streamed on it (those of one read
         together)."""
         pool = self.pools.decode
@@ -240,14 +240,11 @@ class Hops:
 
 async def _reported(
     pool: Pool, worker: Worker, source: AsyncIterator[list[bytes]]
-) -> AsyncIterator[list[bytes]]:
-    """`source`, its outcome reported to the pool (a stream left early reports nothing), given
-    up as soon as `worker` leaves the rotation (a partitioned host's stream would otherwise sit
-    out the idle timeout before the stream can migrate)."""
+) -> AsyncGenerator[list[bytes], None]:
+    """`source`, its outcome reported to the pool (a stream left early reports nothing)."""
     with reported(pool, worker):
-        async with given_up_if_gone(pool.role, worker, "stream"):
-            async for payloads in source:
-                yield payloads
+        async for payloads in source:
+            yield payloads
 
 
 def _own_fault(exc: ServiceError) -> bool:

@@ -56,6 +56,11 @@ class ProxyMetrics(ServiceMetrics):
         self.retries = self.counter(
             "request_retries", "Whole requests retried after a decode leg failed behind a prefill"
         )
+        self.batch_items = self.histogram(
+            "derender_batch_items",
+            "Stream chunks per derender batch (batched transport)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+        )
         self.migrations = self.counter(
             "migrations", "Streams continued on another decode replica after theirs failed"
         )

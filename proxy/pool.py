@@ -17,7 +17,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -86,15 +86,16 @@ class Worker:
     in_flight: int = 0
     breaker: Breaker = field(default_factory=Breaker)
     last_check: float = field(default=0.0)
-    watching: set[asyncio.Timeout] = field(default_factory=set)
-    """Calls on this replica that give up as soon as it leaves the rotation (`abandon`)."""
+    watching: set[Callable[[], None]] = field(default_factory=set)
+    """How calls and streams on this replica give up as soon as it leaves the rotation
+    (`abandon`)."""
 
     def abandon(self) -> None:
-        """Out of the rotation: calls still waiting on it give up now (their callers may try
-        another replica) instead of waiting out their timeouts on a host that is gone."""
-        loop = asyncio.get_running_loop()
-        for timeout in self.watching:
-            timeout.reschedule(loop.time())
+        """Out of the rotation: calls and streams still waiting on it give up now (their
+        callers may try another replica) instead of waiting out their timeouts on a host that
+        is gone."""
+        for give_up in list(self.watching):
+            give_up()
 
     @property
     def healthy(self) -> bool:

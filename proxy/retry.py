@@ -75,11 +75,15 @@ async def given_up_if_gone(role: str, worker: Worker, what: str) -> AsyncIterato
     (a partitioned host: its health checks fail long before a call's timeout)."""
     try:
         async with asyncio.timeout(None) as watch:
-            worker.watching.add(watch)
+
+            def give_up() -> None:
+                watch.reschedule(asyncio.get_running_loop().time())
+
+            worker.watching.add(give_up)
             try:
                 yield
             finally:
-                worker.watching.discard(watch)
+                worker.watching.discard(give_up)
     except TimeoutError:
         if not watch.expired():
             raise

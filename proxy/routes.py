@@ -1,16 +1,16 @@
 """HTTP <-> the request flow for `/v1/chat/completions` and `/v1/completions`.
 
-The one place where chunks become Server-Sent Events: errors before the first byte are HTTP
-errors (the error middleware), after it they go in-band as an error event, and every stream
-ends with `[DONE]`. Leaving early (the client went away) closes the chunk iterator, which
-cancels its prompts and aborts their engine requests.
+The one place where chunks become Server-Sent Events (`EventStream`): errors before the first
+byte are HTTP errors (the error middleware), after it they go in-band as an error event, and
+every stream ends with `[DONE]`. Leaving early (the client went away) cancels the handler and
+with it the stream's prompts, which aborts their engine requests.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
@@ -89,8 +89,9 @@ async def _admitted(
         if not client.stream:
             answer = await whole(hops, kind, client, raw, rendered, headers)
             return web.Response(body=JSON.encode(answer), content_type="application/json")
-        streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers)
-        return await event_stream(request, streaming.chunks())
+        out = EventStream(request)
+        streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers, out.send)
+        return await out.serve(streaming.run())
     except UpstreamRejected as exc:
         # generate refused the constraint (a schema, regex or grammar its backend rejects)
         if exc.param is None and exc.status == 400:
@@ -98,26 +99,42 @@ async def _admitted(
         raise
 
 
-async def event_stream(
-    request: web.Request, batches: AsyncGenerator[list[Any], None]
-) -> web.StreamResponse:
-    """`batches` of chunks as SSE, one write per batch. A failure before the first batch
-    raises (an HTTP error); after it, the error goes in-band as an event. `[DONE]` ends every
-    stream that started."""
-    async with contextlib.aclosing(batches):
-        first = await anext(batches, None)
-        headers = dict(SSE_HEADERS)
-        if rid := request.headers.get("X-Request-Id"):
-            headers["X-Request-Id"] = rid
-        response = web.StreamResponse(headers=headers)
-        await response.prepare(request)
+class EventStream:
+    """The client's side of a stream: chunks as SSE, one write per `send`.
+
+    The response starts with the first chunk, so a failure before it is an HTTP error (the error
+    middleware); after it the error goes in-band as an event. `[DONE]` ends every stream that
+    started."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+        self.starting = asyncio.Lock()  # a request's prompts may send their first chunks at once
+
+    async def send(self, chunks: list[Any]) -> None:
+        response = self.response or await self._start()
+        await response.write(events(chunks))
+
+    async def serve(self, run: Awaitable[None]) -> web.StreamResponse:
         try:
-            if first is not None:
-                await response.write(events(first))
-            async for batch in batches:
-                await response.write(events(batch))
-        except Exception as exc:  # after the first byte, any failure ends the stream in-band
-            await response.write(sse(JSON.encode(as_service_error(exc).to_wire())))
+            await run
+        except Exception as exc:
+            if self.response is None:
+                raise
+            # after the first byte, any failure ends the stream in-band
+            await self.response.write(sse(JSON.encode(as_service_error(exc).to_wire())))
+        response = self.response or await self._start()
         await response.write(DONE)
         await response.write_eof()
-    return response
+        return response
+
+    async def _start(self) -> web.StreamResponse:
+        async with self.starting:
+            if self.response is None:
+                headers = dict(SSE_HEADERS)
+                if rid := self.request.headers.get("X-Request-Id"):
+                    headers["X-Request-Id"] = rid
+                response = web.StreamResponse(headers=headers)
+                await response.prepare(self.request)
+                self.response = response
+            return self.response

@@ -1,10 +1,10 @@
 """One client request through the hops: whole answers, and streams as chunk structs.
 
-Nothing here knows HTTP: `stream` yields the chunks a client should see (and raises
-`ServiceError` when the stream fails) and the route frames them (proxy/routes.py). Each prompt
-of a request decodes in its own task; its generate chunks are read as fast as the engine sends
-them, merged per choice when derender falls behind, and derendered through the app's transport.
-Leaving early (client gone, stop string) closes the decode stream and aborts the engine request.
+Nothing here knows HTTP: `Streaming` hands the chunks a client should see to its `out` (and
+raises `ServiceError` when the stream fails) and the route frames them (proxy/routes.py). Each
+prompt of a request decodes in its own task, which reads its generate stream, derenders through
+the app's transport and writes to the client: no queue and no other task per chunk. Leaving early
+(client gone, stop string) closes the decode stream and aborts the engine request.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +50,6 @@ from tokenline.shared.wire import (
 )
 
 log = logging.getLogger(__name__)
-QUEUE_LIMIT = 65536  # reads of a generate stream buffered per prompt before the request fails
-OUT_BUFFER = 64  # client chunks ready ahead of the client (backpressure beyond)
 Outgoing = ClientChunk | msgspec.Raw | dict[str, Any]
 
 
@@ -82,9 +80,8 @@ async def whole(
     return msgspec.structs.replace(kind.whole.decode(data), id=rendered.public_id)
 
 
-@dataclass
-class _End:
-    error: ServiceError | None = None
+Out = Callable[[list[Outgoing]], Awaitable[None]]
+"""Where a stream's chunks go: the client (one write per call)."""
 
 
 @dataclass
@@ -94,48 +91,23 @@ class Streaming:
     hops: Hops
     flow: StreamFlow
     headers: HopHeaders
-    out: asyncio.Queue[Outgoing | _End] = field(default_factory=lambda: asyncio.Queue(OUT_BUFFER))
+    out: Out
     started: float = field(default_factory=time.perf_counter)
     last_sent: float | None = None
 
-    async def chunks(self) -> AsyncGenerator[list[Outgoing], None]:
-        """The client's chunks in order, in batches of every chunk ready at once (one write to
-        the client each), then the usage chunk if asked for; raises the first failure. Closing
-        it early cancels every prompt's task (which aborts its engine run)."""
-        producer = asyncio.create_task(self._produce())
-        try:
-            end = None
-            while end is None:
-                batch, end = await self._ready()
-                if batch:
-                    yield batch
-            if end.error is not None:
-                raise end.error
-            if (final := self.flow.final_chunk()) is not None:
-                yield [final]
-        finally:
-            producer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await producer
-
-    async def _ready(self) -> tuple[list[Outgoing], _End | None]:
-        """Every chunk ready now (waiting for the first), and the end if it came."""
-        items = [await self.out.get()]
-        while not self.out.empty():
-            items.append(self.out.get_nowait())
-        end = items[-1] if isinstance(items[-1], _End) else None
-        return [i for i in items if not isinstance(i, _End)], end
-
-    async def _produce(self) -> None:
-        error: ServiceError | None = None
+    async def run(self) -> None:
+        """Every prompt's chunks to `out` as derender answers them, then the usage chunk if
+        asked for; raises the first failure (the other prompts are cancelled, which aborts
+        their engine runs, as does cancelling this)."""
         try:
             async with asyncio.TaskGroup() as group:
                 for p, gen in enumerate(self.flow.gens):
                     group.create_task(self._prompt(p, gen))
         except* Exception as eg:
             # the first failure stands for the request (a bug is logged and becomes a 500)
-            error = as_service_error(eg.exceptions[0])
-        await self.out.put(_End(error))
+            raise as_service_error(eg.exceptions[0]) from None
+        if (final := self.flow.final_chunk()) is not None:
+            await self.out([final])
 
     async def _prompt(self, p: int, gen: GenerateRequest) -> None:
         async def decode(g: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]) -> None:
@@ -201,71 +173,47 @@ class Streaming:
     async def _decode(
         self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
     ) -> None:
+        """Prompt `p`'s generate stream, read in the task that derenders it: what arrives while
+        derender answers waits in the socket's buffer and comes in the next read, merged per
+        choice (and an engine that gets ahead of a slow client is held back by TCP)."""
         flow, hops = self.flow, self.hops
         worker, source = hops.generate_stream(
             engine_request(gen, flow.kind, True, kv), self.headers, exclude
         )
-        queue: asyncio.Queue[list[bytes] | None] = asyncio.Queue()
-        reader = asyncio.create_task(_read(source, queue))
         finished = False
         try:
-            async for merged in _batches(queue):
-                for chunk in merged:
-                    await self._relay(p, chunk)
-                if flow.prompt_done(p):
-                    break
-            if not flow.prompt_done(p):
-                await reader  # surfaces a generate failure
+            async with contextlib.AsyncExitStack() as stack:
+                await stack.enter_async_context(contextlib.aclosing(source))
+                joined = False
+                async for payloads in source:
+                    if not joined:  # from its first chunk on, batches wait for this stream
+                        stack.enter_context(hops.derender.streaming())
+                        joined = True
+                    merged = merge_chunks([generate_chunk(x) for x in payloads])
+                    ready = [c for chunk in merged if (c := await self._relay(p, chunk))]
+                    if ready:
+                        await self.out(ready)
+                    if flow.prompt_done(p):
+                        break
             finished = True
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ServiceError):
-                await reader
             if not finished or flow.stopped_early(p):
                 # left early, failed (it may still run: hung), or ended by a stop string
                 hops.metrics.aborts.labels("stop" if finished else "cancelled").inc()
                 hops.abort(worker, gen)
 
-    async def _relay(self, p: int, chunk: GenerateStreamChunk) -> None:
+    async def _relay(self, p: int, chunk: GenerateStreamChunk) -> Outgoing | None:
         call = self.flow.call(p, chunk)
         if call is None:
-            return
+            return None
         answer = await self.hops.derender.stream(call)
         emission = self.flow.accept(p, chunk, answer)
         if emission is None:
-            return
+            return None
         now = time.perf_counter()
         if self.last_sent is None:
             self.hops.metrics.ttft.observe(now - self.started)
         elif emission.tokens:
             self.hops.metrics.itl.observe((now - self.last_sent) / emission.tokens)
         self.last_sent = now
-        await self.out.put(emission.chunk)
-
-
-async def _read(
-    source: AsyncIterator[list[bytes]], queue: asyncio.Queue[list[bytes] | None]
-) -> None:
-    """Reader side of a generate stream: payloads into `queue`, then None."""
-    try:
-        async for payloads in source:
-            if queue.qsize() >= QUEUE_LIMIT:
-                raise UpstreamError("derender fell too far behind generate")
-            queue.put_nowait(payloads)
-    finally:
-        queue.put_nowait(None)
-
-
-async def _batches(
-    queue: asyncio.Queue[list[bytes] | None],
-) -> AsyncIterator[list[GenerateStreamChunk]]:
-    """Everything queued at each turn, decoded and merged per choice."""
-    while True:
-        items = [await queue.get()]
-        while not queue.empty():
-            items.append(queue.get_nowait())
-        decoded = [generate_chunk(p) for item in items if item is not None for p in item]
-        if decoded:
-            yield merge_chunks(decoded)
-        if items[-1] is None:
-            return
+        return emission.chunk

@@ -12,6 +12,8 @@ Whole (non-streaming) answers always go over HTTP. Every transport retries throu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -36,6 +38,10 @@ BATCH_ANSWER = msgspec.json.Decoder(list[msgspec.Raw])
 class DerenderTransport(Protocol):
     async def stream(self, call: StreamCall) -> StreamAnswer:
         """One streaming derender call; raises `ServiceError` (never a foreign exception)."""
+        ...
+
+    def streaming(self) -> contextlib.AbstractContextManager[None]:
+        """Held by a stream while its chunks keep coming (batching waits for them)."""
         ...
 
     async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:
@@ -75,6 +81,9 @@ class HttpDerender:
         data = await self.post(call.kind.derender_path, body, JSON_HEADERS)
         return readable(RAW_STREAM_ANSWER, data)
 
+    def streaming(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
     async def close(self) -> None:
         return None
 
@@ -87,27 +96,61 @@ class _Pending:
 
 @dataclass
 class BatchedDerender(HttpDerender):
-    """Streaming calls gathered per event-loop turn into one batch per derender replica."""
+    """Streaming calls gathered across streams into one batch per derender replica.
 
+    An engine step gives every running stream a token, but the chunks reach the proxy spread
+    over a millisecond or two (one write per stream), in different event-loop turns. A batch
+    goes out once every stream that could still join has a call waiting (the streams held
+    `streaming()` minus those waiting for an answer), or `wait` seconds after its first call:
+    each stream's chunks are then late by the same short time, so the gaps between them (ITL)
+    stay as the engine made them."""
+
+    wait: float = 0.002
     waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
     flushing: set[asyncio.Task[None]] = field(default_factory=set)
-    scheduled: bool = False
+    streams: int = 0
+    """Streams whose chunks keep coming (`streaming()`)."""
+    answering: int = 0
+    """Calls sent and not yet answered (their streams cannot join the next batch)."""
+    flush: asyncio.Handle | None = None
+    """The batch's send, scheduled: at the end of this turn, or when `wait` runs out."""
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
         future: asyncio.Future[StreamAnswer] = asyncio.get_running_loop().create_future()
         self.waiting.setdefault(call.kind.name, []).append(_Pending(call, future))
-        if not self.scheduled:
-            self.scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        self._schedule()
         return await future
 
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        self.streams += 1
+        try:
+            yield
+        finally:
+            self.streams -= 1
+            if self.waiting:
+                self._schedule()  # the batch may have waited for this stream alone
+
+    def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        pending = sum(len(items) for items in self.waiting.values())
+        if pending >= self.streams - self.answering:
+            if isinstance(self.flush, asyncio.TimerHandle):
+                self.flush.cancel()
+                self.flush = None
+            if self.flush is None:
+                self.flush = loop.call_soon(self._flush)  # after this turn's other callers
+        elif self.flush is None:
+            self.flush = loop.call_later(self.wait, self._flush)
+
     def _flush(self) -> None:
-        self.scheduled = False
+        self.flush = None
         waiting, self.waiting = self.waiting, {}
         replicas = max(1, len(self.pool.healthy()))
         for items in waiting.values():
             live = [p for p in items if not p.answer.done()]  # a caller may have gone
             for batch in _split(live, replicas):
+                self.metrics.batch_items.observe(len(batch))
                 task = asyncio.create_task(self._send(batch))
                 self.flushing.add(task)
                 task.add_done_callback(self.flushing.discard)
@@ -116,6 +159,7 @@ class BatchedDerender(HttpDerender):
         kind = batch[0].call.kind
         items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw), True)) for p in batch]
         body = b'{"requests":[' + b",".join(items) + b"]}"
+        self.answering += len(batch)
         try:
             answers = readable(BATCH_ANSWER, await self.post(kind.batch_path, body, JSON_HEADERS))
             if len(answers) != len(batch):
@@ -126,10 +170,14 @@ class BatchedDerender(HttpDerender):
             for p in batch:
                 _settle(p.answer, exc)
             return
+        finally:
+            self.answering -= len(batch)
         for p, raw in zip(batch, answers, strict=True):
             _settle(p.answer, _item(bytes(raw)))
 
     async def close(self) -> None:
+        if self.flush is not None:
+            self.flush.cancel()
         for task in list(self.flushing):
             task.cancel()
         await asyncio.gather(*self.flushing, return_exceptions=True)

@@ -125,19 +125,48 @@ async def stream_payloads(
         ) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
-            events = SseEvents()
-            first = True
-            async for data in resp.content.iter_any():
-                payloads = events.feed(data)
-                if first and payloads and payloads[0].startswith(b'{"error"'):
-                    raise rejected_or_failed(pool.role, worker, _code(payloads[0]), payloads[0])
-                first = first and not payloads
-                if events.done:
+            with _given_up_if_gone(pool.role, worker, resp):
+                events = SseEvents()
+                first = True
+                async for data in resp.content.iter_any():
+                    payloads = events.feed(data)
+                    if first and payloads and payloads[0].startswith(b'{"error"'):
+                        code = _code(payloads[0])
+                        raise rejected_or_failed(pool.role, worker, code, payloads[0])
+                    first = first and not payloads
+                    if events.done:
+                        if payloads:
+                            yield payloads
+                        return
                     if payloads:
                         yield payloads
-                    return
-                if payloads:
-                    yield payloads
+
+
+@contextlib.contextmanager
+def _given_up_if_gone(role: str, worker: Worker, resp: aiohttp.ClientResponse) -> Iterator[None]:
+    """A stream given up with `UpstreamUnavailable` as soon as `worker` leaves the rotation (a
+    partitioned host would otherwise hold it for the idle timeout, and it could not migrate).
+
+    The connection is closed under the reader, whichever task reads it and whenever it next
+    does (a timeout would cancel the task that entered it, which may be waiting elsewhere)."""
+    gone = False
+
+    def give_up() -> None:
+        nonlocal gone
+        gone = True
+        resp.close()
+
+    worker.watching.add(give_up)
+    try:
+        yield
+    except (aiohttp.ClientError, ServiceError) as exc:
+        if gone:
+            raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-stream") from exc
+        raise
+    finally:
+        worker.watching.discard(give_up)
+    if gone:
+        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-stream")
 
 
 class SseEvents:

@@ -1,6 +1,9 @@
 """A fast generate double: `/inference/v1/generate` with seeded tokens at a set rate, no model.
 
 For benchmarks only (isolating the front end's own cost); tests of behavior use real vLLM.
+Each stream runs at `--tokens-per-second` on its own clock, or with `--lockstep` every stream
+takes its next token at the same step, as a batching engine emits them: one step's chunks of
+all streams leave in one event-loop turn.
 
     python -m tokenline.launch.bench.double --port 8299 --vocab 4096 --tokens-per-second 2000
 """
@@ -31,8 +34,28 @@ def _logprobs(rng: random.Random, token: int, k: int | None, vocab: int) -> dict
     return {"token_id": token, "logprob": -0.5, "rank": 1, "top_logprobs": tops}
 
 
-def make_app(vocab: int, tokens_per_second: float) -> web.Application:
+class Steps:
+    """One clock for every stream: `next()` returns at the next step."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.step: asyncio.Future[None] | None = None
+
+    async def next(self) -> None:
+        if self.step is None:
+            self.step = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(self.interval, self._tick)
+        await asyncio.shield(self.step)
+
+    def _tick(self) -> None:
+        step, self.step = self.step, None
+        if step is not None:
+            step.set_result(None)
+
+
+def make_app(vocab: int, tokens_per_second: float, lockstep: bool = False) -> web.Application:
     interval = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+    steps = Steps(interval) if lockstep and interval else None
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -68,7 +91,9 @@ def make_app(vocab: int, tokens_per_second: float) -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i, token in enumerate(ids):
-            if interval:
+            if steps is not None:
+                await steps.next()
+            elif interval:
                 await asyncio.sleep(interval)
             lp = _logprobs(rng, token, k, vocab)
             chunk = {
@@ -111,8 +136,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tokens-per-second", type=float, default=1000.0)
+    parser.add_argument("--lockstep", action="store_true", help="one step clock for all streams")
     args = parser.parse_args()
-    run(make_app(args.vocab, args.tokens_per_second), "127.0.0.1", args.port)
+    run(make_app(args.vocab, args.tokens_per_second, args.lockstep), "127.0.0.1", args.port)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -22,6 +23,18 @@ from tokenline.launch import servers
 from tokenline.launch.models.build import build
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+
+def batch_items(url: str) -> tuple[float, float]:
+    """The proxy's derender batches so far: (items, batches)."""
+    with urllib.request.urlopen(url + "/metrics") as resp:
+        text = resp.read().decode()
+    found = dict.fromkeys(("sum", "count"), 0.0)
+    for line in text.splitlines():
+        for part in found:
+            if line.startswith(f"tokenline_proxy_derender_batch_items_{part} "):
+                found[part] = float(line.split()[1])
+    return found["sum"], found["count"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -61,17 +74,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rate", type=float, default=1000, help="tokens/s per stream (double)")
+    parser.add_argument(
+        "--lockstep", action="store_true", help="the double steps every stream at once, as vLLM"
+    )
+    parser.add_argument("--transports", nargs="+", default=["http", "zmq", "batched"])
     args = parser.parse_args()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
-    double = servers.generate_double("hop-double", args.rate)
+    double = servers.generate_double("hop-double", args.rate, args.lockstep)
     render = servers.tokenline("hop-render", "render", *common)
     derender = servers.tokenline("hop-derender", "derender", *common, "--zmq-port", "0")
     started = [double, render, derender]
     try:
         servers.start_all(started, 60)
         proxies = {}
-        for transport in ("http", "zmq", "batched"):
+        for transport in args.transports:
             proxy = servers.tokenline(
                 f"hop-proxy-{transport}",
                 "proxy",
@@ -91,23 +108,29 @@ def main() -> None:
         print(
             f"\nderender hop: {args.streams} streams x {args.tokens} tokens, concurrency "
             f"{args.concurrency}, double at {args.rate:.0f} tokens/s per stream"
+            f"{' in lockstep' if args.lockstep else ''}"
         )
         for logprobs in (False, True):
             for transport, proxy in proxies.items():
                 asyncio.run(load(proxy.url, 4, 16, 2, logprobs))  # warm-up
                 pids = [proxy.proc.pid, derender.proc.pid]  # type: ignore[union-attr]
                 before = [cpu_seconds(p) for p in pids]
+                items_before = batch_items(proxy.url)
                 start = time.perf_counter()
                 tokens = asyncio.run(
                     load(proxy.url, args.streams, args.tokens, args.concurrency, logprobs)
                 )
                 wall = time.perf_counter() - start
                 used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
+                items, batches = (
+                    a - b for a, b in zip(batch_items(proxy.url), items_before, strict=True)
+                )
+                per_batch = f"  {items / batches:4.1f} chunks per batch" if batches else ""
                 print(
                     f"  {transport:>7} logprobs={'on ' if logprobs else 'off'} "
                     f"{tokens / wall:8.0f} tokens/s  CPU per token: proxy "
                     f"{used[0] / tokens * 1e6:6.1f} us + derender {used[1] / tokens * 1e6:6.1f} us"
-                    f" = {sum(used) / tokens * 1e6:6.1f} us"
+                    f" = {sum(used) / tokens * 1e6:6.1f} us{per_batch}"
                 )
     finally:
         for s in reversed(started):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import random
 
+import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
 
+from tests.fakes.decode import EndlessDecode
 from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.upstream import stream_payloads
 from tokenline.shared.errors import (
     UpstreamError,
     UpstreamRejected,
@@ -162,3 +166,28 @@ async def test_a_timed_out_replica_is_worth_another_try_past_the_deadline() -> N
 
     with pytest.raises(UpstreamError, match="b broke"):
         await on_replicas(p, RetryPolicy(timeout=0.01, sleep=False), broken)
+
+
+async def test_a_stream_on_a_replica_that_leaves_the_rotation_gives_up_at_once() -> None:
+    """A partitioned decode host mid-stream: the stream fails as unavailable (so it can
+    migrate) as soon as the health check takes the replica out, not at the idle timeout, even
+    while its reader waits elsewhere (here: between reads, as while derender answers)."""
+    decode = EndlessDecode(hang_after=2)
+    server = TestServer(decode.app)
+    await server.start_server()
+    p = Pool("decode", (str(server.make_url("")).rstrip("/"),))
+    limits = aiohttp.ClientTimeout(total=None, sock_read=60)
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as session:
+            source = stream_payloads(session, p, p.workers[0], b"{}", {}, limits)
+            got = [await anext(source), await anext(source)]
+            await asyncio.sleep(0.05)  # the reader is not waiting on the socket now
+            p.failed(p.workers[0], "health check", certain=True)
+            t0 = loop.time()
+            with pytest.raises(UpstreamUnavailable, match="left the rotation mid-stream"):
+                await anext(source)
+            assert loop.time() - t0 < 1 and len(got) == 2
+            assert not p.workers[0].watching
+    finally:
+        await server.close()

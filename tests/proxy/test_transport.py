@@ -108,6 +108,59 @@ async def test_one_turn_of_calls_is_one_batch_per_replica(
             await s.close()
 
 
+async def test_a_batch_waits_for_the_streams_still_to_come(
+    session: aiohttp.ClientSession,
+) -> None:
+    """Chunks of one engine step reach the proxy over a few event-loop turns: a call waits
+    (at most `wait`) for every stream holding `streaming()`, then they all go in one batch."""
+    fake = FakeDerender()
+    pool, servers = await serve([fake])
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, wait=5.0)
+    try:
+        with transport.streaming(), transport.streaming(), transport.streaming():
+            first = asyncio.ensure_future(transport.stream(call(1)))
+            await asyncio.sleep(0.05)  # many turns: the third stream's chunk has not come
+            second = asyncio.ensure_future(transport.stream(call(2)))
+            await asyncio.sleep(0.05)
+            assert fake.batches == [] and not first.done()
+            answers = await asyncio.gather(first, second, transport.stream(call(3)))
+        assert fake.batches == [3]
+        assert [_content(a) for a in answers] == ["1", "2", "3"]
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A stream that gets no chunk this step (or ends) holds the others back at most `wait`."""
+    fake = FakeDerender()
+    pool, servers = await serve([fake])
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, wait=0.05)
+    loop = asyncio.get_running_loop()
+    try:
+        with transport.streaming(), transport.streaming():
+            start = loop.time()
+            await transport.stream(call(1))
+            assert loop.time() - start >= 0.04 and fake.batches == [1]
+        transport.wait = 30.0
+        with transport.streaming():
+            quiet = transport.streaming()
+            quiet.__enter__()
+            waiting = asyncio.ensure_future(transport.stream(call(2)))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
+            quiet.__exit__(None, None, None)  # the stream it waited for is over: it goes now
+            assert _content(await asyncio.wait_for(waiting, 5)) == "2"
+        assert fake.batches == [1, 1]
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
 async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession) -> None:
     fake = FakeDerender()
     pool, servers = await serve([fake])
