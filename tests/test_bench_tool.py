@@ -435,11 +435,14 @@ def test_cpu_is_read_from_the_process_tree() -> None:
         used = cpu.sample([front], None) - before
         assert used.front > 0.05
         assert used.server == used.core == 0.0
+        assert used.parts == (("busy", used.front),)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert cpu.per_token(cpu.Split(1.0, 0.5, 2.0), 1000, has_front=False) == {
+    split = cpu.Split(1.0, 0.5, 2.0, (("proxy", 0.75), ("render", 0.25)))
+    assert cpu.per_token(split, 1000, has_front=False) == {
         "cpu_front_us": None,
+        "cpu_front_parts_us": {"proxy": 750.0, "render": 250.0},
         "cpu_server_us": 500.0,
         "cpu_core_us": 2000.0,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenline.launch.process import Process
 
@@ -23,9 +24,15 @@ class Split:
     front: float = 0.0
     server: float = 0.0
     core: float = 0.0
+    parts: tuple[tuple[str, float], ...] = ()
+    """The front end by process (name, CPU seconds)."""
 
     def __sub__(self, other: Split) -> Split:
-        return Split(self.front - other.front, self.server - other.server, self.core - other.core)
+        before = dict(other.parts)
+        parts = tuple((name, s - before.get(name, 0.0)) for name, s in self.parts)
+        return Split(
+            self.front - other.front, self.server - other.server, self.core - other.core, parts
+        )
 
 
 def _tree(process: Process) -> list[tuple[str, float]]:
@@ -51,24 +58,25 @@ def _tree(process: Process) -> list[tuple[str, float]]:
 
 def sample(front: Sequence[Process], server: Process | None) -> Split:
     """CPU seconds so far of the front-end processes and of the vLLM server's two parts."""
-    front_s = sum(s for p in front for _, s in _tree(p))
+    parts = tuple((p.name, sum(s for _, s in _tree(p))) for p in front)
     server_s = core_s = 0.0
     for name, s in _tree(server) if server is not None else []:
         if name.startswith(ENGINE_CORE):
             core_s += s
         else:
             server_s += s
-    return Split(front_s, server_s, core_s)
+    return Split(sum(s for _, s in parts), server_s, core_s, parts)
 
 
-def per_token(used: Split, tokens: int, has_front: bool) -> dict[str, float | None]:
-    """Microseconds of CPU per output token, by part; the front end is None for a target that
-    has none of its own (monolithic vLLM, the engine alone)."""
+def per_token(used: Split, tokens: int, has_front: bool) -> dict[str, Any]:
+    """Microseconds of CPU per output token, by part (and the front end by process); the front
+    end is None for a target that has none of its own (monolithic vLLM, the engine alone)."""
     if tokens <= 0:
         return {"cpu_front_us": None, "cpu_server_us": None, "cpu_core_us": None}
     us = 1e6 / tokens
     return {
         "cpu_front_us": used.front * us if has_front else None,
+        "cpu_front_parts_us": {name: s * us for name, s in used.parts},
         "cpu_server_us": used.server * us,
         "cpu_core_us": used.core * us,
     }

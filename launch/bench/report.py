@@ -51,6 +51,15 @@ def _row(t: str, p: dict[str, Any], ref: dict[str, Any] | None) -> str:
     )
 
 
+def _front_parts(target: str, point: dict[str, Any]) -> str | None:
+    """The front end's CPU per token by process, when it has several."""
+    parts = point.get("cpu_front_parts_us") or {}
+    if len(parts) < 2:
+        return None
+    each = ", ".join(f"{name} {us:.0f}" for name, us in parts.items())
+    return f"{target} front end CPU us/tok by process: {each}  "
+
+
 def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
     return (
         f"{ours}/{peer}: output tokens/s {ratio(a, b):.2f}x, "
@@ -130,6 +139,8 @@ def markdown(result: dict[str, Any]) -> str:
             if (ours, level) in by and (peer, level) in by:
                 lines.append(_pair(ours, peer, by[(ours, level)], by[(peer, level)]) + "  ")
         lines += goals(by, level, result["mode"])
+        parts = [_front_parts(t, by[(t, level)]) for t in targets if (t, level) in by]
+        lines += [line for line in parts if line is not None]
         lines.append("")
     lines.append(
         "CPU per output token: front end = tokenline's proxy + render + derender, or the "
