@@ -22,6 +22,7 @@ from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import DerenderRequest, derender
 from tokenline.services.derender.detokenize import detokenize
+from tokenline.services.derender.texts import token_texts
 from tokenline.shared.errors import as_service_error
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
@@ -60,6 +61,7 @@ METRICS = web.AppKey("derender_metrics", ServiceMetrics)
 async def state_ctx(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
     tok = await asyncio.to_thread(ModelTokenizer.load, config.model)
+    await asyncio.to_thread(token_texts, tok)  # the byte table, built before the first call
     settings = DerenderSettings(
         served_model_names=config.names,
         max_model_len=config.max_model_len or tok.max_position_embeddings,

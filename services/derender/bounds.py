@@ -7,7 +7,7 @@ model's vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tokenline.services.derender.parsers.adjust import ParserFlags
@@ -38,14 +38,14 @@ def model_name(requested: str | None, settings: DerenderSettings) -> str:
     return served_name(requested, settings.served_model_names)
 
 
-def _check_ids(ids: Iterable[int], tok: ModelTokenizer, where: str) -> None:
-    for token_id in ids:
-        if token_id >= tok.vocab_size:
-            raise BadRequest(
-                f"token ID {token_id} in {where} is outside the vocabulary "
-                f"(vocab_size={tok.vocab_size}).",
-                param=where,
-            )
+def _check_ids(ids: Collection[int], tok: ModelTokenizer, where: str) -> None:
+    if max(ids, default=-1) < tok.vocab_size:  # the common case, at C speed
+        return
+    token_id = next(t for t in ids if t >= tok.vocab_size)
+    raise BadRequest(
+        f"token ID {token_id} in {where} is outside the vocabulary (vocab_size={tok.vocab_size}).",
+        param=where,
+    )
 
 
 def check_prompt_ids(ids: list[int] | None, tok: ModelTokenizer, s: DerenderSettings) -> None:

@@ -91,7 +91,7 @@ class ChoiceState:
             ("detok_ids", s.detok_ids),
             ("logprob_context_token_ids", s.logprob_context_token_ids),
         ):
-            if any(i >= tok.vocab_size for i in ids):
+            if max(ids, default=-1) >= tok.vocab_size:
                 raise InvalidStreamState(
                     f"invalid stream_state: {name} outside the vocabulary",
                     param=f"stream_state.{name}",

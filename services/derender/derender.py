@@ -269,7 +269,12 @@ def derender_stream(
     A choice that a stop string already ended shows nothing more.
     """
     model = model_name(req.model, s)
-    prompt_ids = _stream_prompt_ids(req.prompt_token_ids)
+    # chat's IDs are typed (the decoder checked them); completions' are any list until here
+    prompt_ids = (
+        req.prompt_token_ids
+        if isinstance(req, DerenderChatRequest)
+        else _stream_prompt_ids(req.prompt_token_ids)
+    )
     check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
     parsing = None

@@ -70,7 +70,7 @@ class Detokenizer:
         return not (self.skip_special_tokens and token_id in self.tok.special_ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return token_texts(self.tok).decode(ids, self.skip_special_tokens)
 
     def _step(self, token_id: int) -> str:
         state = self.state

@@ -32,15 +32,16 @@ FLOOR = -9999.0
 
 
 def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> str:
+    texts = token_texts(tok)
     for n in range(1, min(len(context), LOGPROB_CONTEXT) + 1):
         window = list(context[-n:])
-        full = tok.decode([*window, token_id], skip_special_tokens=False)
+        full = texts.decode([*window, token_id], skip_special_tokens=False)
         if full.endswith(REPLACEMENT):
             continue
         clean_end = len(window)
         while clean_end > 0 and tok.decode_one(window[clean_end - 1]).endswith(REPLACEMENT):
             clean_end -= 1
-        prefix = tok.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
+        prefix = texts.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
         if full.startswith(prefix):
             return full[len(prefix) :]
         common = 0

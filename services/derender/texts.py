@@ -9,10 +9,18 @@
   general path.
 - A logprob entry's token and bytes (`standalone`): every entry shows the sampled token and its
   candidates; a token whose text does not end in U+FFFD shows the same whatever came before.
+- Window decodes without the tokenizer (`decode`): a byte-level decoder maps each token's
+  characters back to bytes (GPT-2's byte-to-character table; a token with a character outside
+  it contributes its own UTF-8) and reads the concatenation as lossy UTF-8, which Python's
+  "replace" reads alike (both substitute U+FFFD per maximal ill-formed subpart: checked against
+  the tokenizer in tests). Each token's bytes are kept once, so the detokenizer's and the
+  logprob repair's short windows cost a join instead of a call into the tokenizer. Windows with
+  an added token, or past the tokenizer, still go to it (added tokens have their own rules).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import ByteLevel
@@ -33,13 +41,26 @@ class TokenTexts:
     tok: ModelTokenizer
     byte_level: bool
     added: frozenset[int]
+    plain: list[bytes | None] = field(default_factory=list)
+    """Byte-level only: each token's bytes by ID, None for an added token (empty otherwise)."""
     decoded: dict[int, Decoded] = field(default_factory=dict)
     """`standalone`'s cache, bounded by the vocabulary (the bytes lists are shared, never
     changed)."""
 
     @classmethod
     def of(cls, tok: ModelTokenizer) -> TokenTexts:
-        return cls(tok, isinstance(tok.rust.decoder, ByteLevel), frozenset(tok.added_tokens))
+        byte_level = isinstance(tok.rust.decoder, ByteLevel)
+        added = frozenset(tok.added_tokens)
+        return cls(tok, byte_level, added, _token_bytes(tok, added) if byte_level else [])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """`tok.decode(ids, skip_special_tokens)`, from the byte table when every ID is a
+        plain byte-level token (then skipping special tokens changes nothing)."""
+        plain = self.plain
+        parts = [plain[i] if i < len(plain) else None for i in ids]
+        if None in parts:
+            return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return b"".join(parts).decode("utf-8", "replace")  # type: ignore[arg-type]
 
     def own_text(self, token_id: int) -> str | None:
         """The text `token_id` adds after text ending on a character boundary, when that is
@@ -59,6 +80,29 @@ class TokenTexts:
                 return None
             found = self.decoded[token_id] = Decoded(text, list(text.encode("utf-8", "replace")))
         return found
+
+
+def _byte_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte. Printable
+    Latin-1 bytes stand for themselves; the other 68 are shifted to 256 and up, in order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
+
+
+def _token_bytes(tok: ModelTokenizer, added: frozenset[int]) -> list[bytes | None]:
+    chars = _byte_chars()
+    found: list[bytes | None] = [None] * tok.tokenizer_size
+    for piece, token_id in tok.rust.get_vocab(with_added_tokens=False).items():
+        if token_id in added or token_id >= len(found):
+            continue
+        if all(c in chars for c in piece):
+            found[token_id] = bytes(chars[c] for c in piece)
+        else:  # as the byte-level decoder does: a piece it cannot map is its own UTF-8
+            found[token_id] = piece.encode()
+    return found
 
 
 _TEXTS: dict[int, TokenTexts] = {}

@@ -1,0 +1,74 @@
+"""`TokenTexts.decode` (window decodes from each token's bytes) equals the tokenizer's decode:
+on both vocabularies, for sequences heavy in partial UTF-8 (lone bytes, cut multibyte
+characters), with added tokens and padding rows mixed in, either way of skipping specials."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenline.services.derender.texts import TokenTexts, token_texts
+from tokenline.shared.tokenizer import ModelTokenizer
+
+
+@pytest.fixture(params=["tiny", "tiny-qwen3"])
+def tok(
+    request: pytest.FixtureRequest, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
+) -> ModelTokenizer:
+    return tiny_tok if request.param == "tiny" else qwen3_tok
+
+
+def _partial(texts: TokenTexts) -> list[int]:
+    """Tokens whose bytes are not whole characters: the ones a window decode must join."""
+    found = []
+    for token_id, raw in enumerate(texts.plain):
+        if raw is None:
+            continue
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            found.append(token_id)
+    return found
+
+
+def test_both_vocabularies_are_byte_level_with_their_added_tokens_left_out(
+    tok: ModelTokenizer,
+) -> None:
+    texts = token_texts(tok)
+    assert texts.byte_level
+    assert len(texts.plain) == tok.tokenizer_size
+    assert {i for i, raw in enumerate(texts.plain) if raw is None} == set(tok.added_tokens)
+    assert len(_partial(texts)) >= 100  # the generation below has lone bytes to draw on
+
+
+def test_every_plain_token_alone_decodes_as_the_tokenizer_does(tok: ModelTokenizer) -> None:
+    texts = token_texts(tok)
+    for token_id, raw in enumerate(texts.plain):
+        if raw is not None:
+            assert texts.decode([token_id], False) == tok.decode([token_id], False), token_id
+
+
+@st.composite
+def windows(draw: Any, tok: ModelTokenizer) -> list[int]:
+    texts = token_texts(tok)
+    partial = _partial(texts)
+    one = st.one_of(
+        st.sampled_from(partial),
+        st.sampled_from(partial),  # twice: mostly cut characters
+        st.integers(0, tok.tokenizer_size - 1),
+        st.sampled_from(sorted(tok.added_tokens)),
+        st.integers(tok.tokenizer_size, max(tok.tokenizer_size, tok.vocab_size - 1)),
+    )
+    return list(draw(st.lists(one, min_size=0, max_size=8)))
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), skip=st.booleans())
+def test_window_decodes_equal_the_tokenizers(tok: ModelTokenizer, data: Any, skip: bool) -> None:
+    ids = data.draw(windows(tok))
+    assert token_texts(tok).decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
