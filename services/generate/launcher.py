@@ -120,6 +120,12 @@ def engine_args(config: GenerateConfig) -> list[str]:
         "--enforce-eager",
         "--distributed-executor-backend",
         "uni",
+        # A prompt is never split across steps. With chunked prefill, vLLM 0.32 discards the
+        # token sampled after a partial prefill and rewinds a seeded request's generator
+        # (`_bookkeeping_sync`: `set_offset`), which a CPU generator refuses: one seeded request
+        # that shares a step's token budget kills the engine. (GPU deployments may append
+        # --enable-chunked-prefill: CUDA generators rewind.)
+        "--no-enable-chunked-prefill",
     ]
     if config.prompt_tokens_details:
         args.append("--enable-prompt-tokens-details")

@@ -22,7 +22,10 @@ from tokenline.services.generate.launcher import (
 )
 
 # What every vLLM that runs the model gets: the differential tests compare their outputs.
-ENGINE = ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni"]
+ENGINE = [
+    "--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
+    "--no-enable-chunked-prefill",
+]  # fmt: skip
 
 
 def test_roles_get_their_connector_settings() -> None:
