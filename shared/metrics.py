@@ -52,6 +52,9 @@ class ServiceMetrics:
         )
 
     def middleware(self) -> Any:
+        # each (route, status)'s children, looked up once: labels() costs a lock and checks
+        children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
+
         @web.middleware
         async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
             route = request.match_info.route.resource
@@ -66,8 +69,14 @@ class ServiceMetrics:
                 status = CLIENT_GONE
                 raise
             finally:
-                self.requests.labels(name, str(status)).inc()
-                self.latency.labels(name).observe(time.perf_counter() - start)
+                found = children.get((name, status))
+                if found is None:
+                    found = children[name, status] = (
+                        self.requests.labels(name, str(status)),
+                        self.latency.labels(name),
+                    )
+                found[0].inc()
+                found[1].observe(time.perf_counter() - start)
 
         return record
 

@@ -82,9 +82,21 @@ class LogprobResolver:
 
     def __init__(self, tok: ModelTokenizer, context: Sequence[int]) -> None:
         self.tok = tok
+        self.known = token_texts(tok).decoded
         self.context = list(context)[-LOGPROB_CONTEXT:]
+        self.repaired: dict[int, Decoded] = {}
+        """This position's repaired tokens: the sampled one is often among its candidates."""
+
+    def _decoded(self, token_id: int) -> Decoded:
+        found = self.known.get(token_id)  # a token that shows the same in any context
+        if found is None:
+            found = self.repaired.get(token_id)
+            if found is None:
+                found = self.repaired[token_id] = decode_token(self.tok, token_id, self.context)
+        return found
 
     def _advance(self, token_id: int) -> None:
+        self.repaired.clear()
         self.context.append(token_id)
         if len(self.context) > LOGPROB_CONTEXT:
             del self.context[0]
@@ -96,7 +108,7 @@ class LogprobResolver:
         out = []
         for e in entries:
             tops = e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]
-            sampled = decode_token(self.tok, e.token_id, self.context)
+            sampled = self._decoded(e.token_id)
             alts = [self._top(t) for t in tops]
             out.append(
                 ChatLogprob(
@@ -107,7 +119,7 @@ class LogprobResolver:
         return out
 
     def _top(self, t: GenerateLogProb) -> TopLogprob:
-        d = decode_token(self.tok, t.token_id, self.context)
+        d = self._decoded(t.token_id)
         return TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes)
 
     def completion(
@@ -115,7 +127,7 @@ class LogprobResolver:
     ) -> CompletionLogprobs:
         out = CompletionLogprobs()
         for e in entries:
-            sampled = decode_token(self.tok, e.token_id, self.context)
+            sampled = self._decoded(e.token_id)
             cands = completion_candidates(e, k)
             out.text_offset.append(offset)
             out.tokens.append(sampled.token)
