@@ -66,6 +66,18 @@ class Connection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """The answer's status and body; a kept-alive connection the server has closed
+        meanwhile is opened again and the call sent once more (a derender call is pure)."""
+        reused = self.writer is not None
+        try:
+            return await self._post(path, body)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.close()
+            if not reused:
+                raise
+            return await self._post(path, body)
+
+    async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
         if self.writer is None or self.reader is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (
