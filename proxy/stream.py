@@ -189,8 +189,10 @@ class Streaming:
                     if not joined:  # from its first chunk on, batches wait for this stream
                         stack.enter_context(hops.derender.streaming())
                         joined = True
-                    merged = merge_chunks([generate_chunk(x) for x in payloads])
-                    ready = [c for chunk in merged if (c := await self._relay(p, chunk))]
+                    ready = []
+                    for chunk in merge_chunks([generate_chunk(x) for x in payloads]):
+                        if (answer := await self._relay(p, chunk)) is not None:
+                            ready.append(answer)
                     if ready:
                         await self.out(ready)
                     if flow.prompt_done(p):
