@@ -1,6 +1,11 @@
 """Render benchmark: tokenline's render against vLLM's render server (`vllm launch render`),
 same model, same request mix, same run, several concurrencies.
 
+The load generator is the derender bench's bare keep-alive HTTP/1.1 client on uvloop, the same
+for both servers: it shares the 2 cores with them, and aiohttp's client (~200 us of CPU per
+request) took a sixth of the machine from whichever server was CPU-bound (tokenline's), none
+from vLLM's (bound by its one Python thread), so it pulled the ratio down.
+
 The mix is the differential corpus with a long request (200 sentences, ~2.4-2.9k tokens) in
 every fourth place (`--long-every 0`: none), so templating and tokenizing a long prompt weigh as
 much as the per-request overhead. Both servers run with `--max-model-len 4096` (the long
@@ -16,13 +21,15 @@ import argparse
 import asyncio
 import json
 import os
+import time
+import urllib.parse
 from pathlib import Path
 
-import aiohttp
-
 from tokenline.launch import servers
-from tokenline.launch.bench.common import Result, closed_loop, report
+from tokenline.launch.bench.common import Result, report
 from tokenline.launch.bench.corpus import chat_requests, completion_requests, with_long_messages
+from tokenline.launch.bench.derender import Connection
+from tokenline.launch.bench.derender import run as run_on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
@@ -47,16 +54,36 @@ def request_mix(model: str, long_every: int = 4) -> list[tuple[str, bytes]]:
 async def drive(
     name: str, url: str, mix: list[tuple[str, bytes]], concurrency: int, duration: float
 ) -> Result:
-    headers = {"Content-Type": "application/json"}
+    """`concurrency` connections post the mix back to back for `duration` seconds; an answer
+    other than 200 or 400 (the mix's refused requests) counts as an error."""
+    latencies: list[float] = []
+    errors = 0
+    counter = iter(range(10**9))
+    target = urllib.parse.urlsplit(url)
 
-    async def one(session: aiohttp.ClientSession, i: int) -> int:
-        path, body = mix[i % len(mix)]
-        async with session.post(url + path, data=body, headers=headers) as resp:
-            await resp.read()
-            assert resp.status in (200, 400), resp.status
-        return 1
+    async def worker(conn: Connection, deadline: float) -> None:
+        nonlocal errors
+        clock = time.perf_counter
+        while clock() < deadline:
+            path, body = mix[next(counter) % len(mix)]
+            start = clock()
+            try:
+                status, _ = await conn.post(path, body)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                errors += 1
+                continue
+            if status in (200, 400):
+                latencies.append(clock() - start)
+            else:
+                errors += 1
+        conn.close()
 
-    return await closed_loop(name, concurrency, duration, one)
+    host, port = target.hostname or "127.0.0.1", target.port or 80
+    conns = [Connection(host, port) for _ in range(concurrency)]
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(c, start + duration) for c in conns))
+    elapsed = time.perf_counter() - start
+    return Result(name, concurrency, len(latencies), elapsed, latencies, errors)
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -101,7 +128,7 @@ def interleaved(
     for _ in range(rounds):
         for label, (url, pgid) in targets.items():
             before = group_cpu_seconds(pgid)
-            parts[label].append(asyncio.run(drive(label, url, mix, c, duration / rounds)))
+            parts[label].append(run_on_uvloop(drive(label, url, mix, c, duration / rounds)))
             cpu[label] += group_cpu_seconds(pgid) - before
     return {label: (_merged(p), cpu[label]) for label, p in parts.items()}
 
