@@ -4,6 +4,7 @@ event-loop turn, one batch per replica, an item's error that item's alone, retri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -90,22 +91,31 @@ async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
     return Pool("derender", tuple(str(s.make_url("")).rstrip("/") for s in servers)), servers
 
 
+@contextlib.asynccontextmanager
+async def batched(
+    session: aiohttp.ClientSession, fakes: list[FakeDerender], wait: float = 0.002
+) -> AsyncIterator[tuple[BatchedDerender, Pool]]:
+    """A batched transport over `fakes` served for real, closed after."""
+    pool, servers = await serve(fakes)
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, wait=wait)
+    try:
+        yield transport, pool
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
 async def test_one_turn_of_calls_is_one_batch_per_replica(
     session: aiohttp.ClientSession,
 ) -> None:
     fakes = [FakeDerender(), FakeDerender()]
-    pool, servers = await serve(fakes)
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
-    try:
+    async with batched(session, fakes) as (transport, _):
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(10)))
         assert [_content(a) for a in answers] == [str(t) for t in range(10)]
         assert sorted(fakes[0].batches + fakes[1].batches) == [5, 5]
         more = await asyncio.gather(*(transport.stream(call(t)) for t in range(3)))
         assert len(more) == 3 and sum(map(len, (fakes[0].batches, fakes[1].batches))) == 4
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_a_batch_waits_for_the_streams_still_to_come(
@@ -114,9 +124,7 @@ async def test_a_batch_waits_for_the_streams_still_to_come(
     """Chunks of one engine step reach the proxy over a few event-loop turns: a call waits
     (at most `wait`) for every stream holding `streaming()`, then they all go in one batch."""
     fake = FakeDerender()
-    pool, servers = await serve([fake])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, wait=5.0)
-    try:
+    async with batched(session, [fake], wait=5.0) as (transport, _):
         with transport.streaming(), transport.streaming(), transport.streaming():
             first = asyncio.ensure_future(transport.stream(call(1)))
             await asyncio.sleep(0.05)  # many turns: the third stream's chunk has not come
@@ -126,10 +134,6 @@ async def test_a_batch_waits_for_the_streams_still_to_come(
             answers = await asyncio.gather(first, second, transport.stream(call(3)))
         assert fake.batches == [3]
         assert [_content(a) for a in answers] == ["1", "2", "3"]
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
@@ -137,10 +141,8 @@ async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
 ) -> None:
     """A stream that gets no chunk this step (or ends) holds the others back at most `wait`."""
     fake = FakeDerender()
-    pool, servers = await serve([fake])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, wait=0.05)
     loop = asyncio.get_running_loop()
-    try:
+    async with batched(session, [fake], wait=0.05) as (transport, _):
         with transport.streaming(), transport.streaming():
             start = loop.time()
             await transport.stream(call(1))
@@ -155,17 +157,11 @@ async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
             quiet.__exit__(None, None, None)  # the stream it waited for is over: it goes now
             assert _content(await asyncio.wait_for(waiting, 5)) == "2"
         assert fake.batches == [1, 1]
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession) -> None:
     fake = FakeDerender()
-    pool, servers = await serve([fake])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
-    try:
+    async with batched(session, [fake]) as (transport, pool):
         results = await asyncio.gather(
             *(transport.stream(call(t)) for t in (1, 666, 2)), return_exceptions=True
         )
@@ -173,10 +169,6 @@ async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession
         assert isinstance(results[1], UpstreamRejected) and results[1].status == 400
         assert [_content(r) for r in (results[0], results[2])] == ["1", "2"]
         assert pool.healthy() == pool.workers  # a request's fault never ejects a replica
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_a_failing_replica_is_retried_elsewhere(session: aiohttp.ClientSession) -> None:
