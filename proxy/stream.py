@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,27 +182,38 @@ class Streaming:
         )
         finished = False
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                await stack.enter_async_context(contextlib.aclosing(source))
-                joined = False
-                async for payloads in source:
-                    if not joined:  # from its first chunk on, batches wait for this stream
-                        stack.enter_context(hops.derender.streaming())
-                        joined = True
-                    ready = []
-                    for chunk in merge_chunks([generate_chunk(x) for x in payloads]):
-                        if (answer := await self._relay(p, chunk)) is not None:
-                            ready.append(answer)
-                    if ready:
-                        await self.out(ready)
-                    if flow.prompt_done(p):
-                        break
+            await self._read(p, source)
             finished = True
+        except ServiceError:
+            if not flow.prompt_done(p) or flow.stopped_early(p):
+                raise
+            finished = True  # it failed after its last chunk: the client misses nothing
         finally:
             if not finished or flow.stopped_early(p):
                 # left early, failed (it may still run: hung), or ended by a stop string
                 hops.metrics.aborts.labels("stop" if finished else "cancelled").inc()
                 hops.abort(worker, gen)
+
+    async def _read(self, p: int, source: AsyncGenerator[list[bytes], None]) -> None:
+        """Prompt `p`'s generate stream to its end (or to a stop string), each read's chunks
+        derendered and written to the client."""
+        flow, hops = self.flow, self.hops
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(contextlib.aclosing(source))
+            joined = False
+            async for payloads in source:
+                if not joined:  # from its first chunk on, batches wait for this stream
+                    stack.enter_context(hops.derender.streaming())
+                    joined = True
+                ready = []
+                for chunk in merge_chunks([generate_chunk(x) for x in payloads]):
+                    if (answer := await self._relay(p, chunk)) is not None:
+                        ready.append(answer)
+                if ready:
+                    await self.out(ready)
+                if flow.prompt_done(p) and flow.stopped_early(p):
+                    break  # the engine is still generating: `_decode` aborts it
+            # a finished stream is read to its end: its connection is then reused
 
     async def _relay(self, p: int, chunk: GenerateStreamChunk) -> Outgoing | None:
         call = self.flow.call(p, chunk)

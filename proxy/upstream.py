@@ -8,6 +8,7 @@ as it is) or `UpstreamError` (the replica failed).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator, Mapping
 
@@ -30,6 +31,7 @@ REPLICA_STATUSES = frozenset({408, 429, 502, 503, 504})
 """Answers that say the replica (not the request) is in trouble, even with an envelope."""
 GENERATE_PATH = "/inference/v1/generate"
 SSE_LINE_LIMIT = 1 << 24  # one generate chunk's JSON (a step's tokens, with their logprobs)
+BODY_END_WAIT = 1.0  # seconds a stream's body may take to end after its [DONE]
 
 
 @contextlib.contextmanager
@@ -134,12 +136,22 @@ async def stream_payloads(
                         code = _code(payloads[0])
                         raise rejected_or_failed(pool.role, worker, code, payloads[0])
                     first = first and not payloads
-                    if events.done:
-                        if payloads:
-                            yield payloads
-                        return
                     if payloads:
                         yield payloads
+                    if events.done:
+                        await _rest_of_body(resp)
+                        return
+
+
+async def _rest_of_body(resp: aiohttp.ClientResponse) -> None:
+    """The end of a stream's body after `[DONE]`, read (briefly) so that its connection goes
+    back to the pool instead of being closed: the next request to that replica then needs no
+    new connection. A replica that holds the body open past `[DONE]` is left (the connection
+    closes)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(BODY_END_WAIT):
+            async for _ in resp.content.iter_any():
+                pass
 
 
 @contextlib.contextmanager

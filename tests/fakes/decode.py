@@ -12,10 +12,16 @@ from aiohttp import web
 
 class EndlessDecode:
     def __init__(
-        self, interval: float = 0.01, tokens: int | None = None, hang_after: int | None = None
+        self,
+        interval: float = 0.01,
+        tokens: int | None = None,
+        hang_after: int | None = None,
+        done_after: float = 0.0,
     ) -> None:
         """`tokens`: finish (length) after that many; `hang_after`: go silent after that many
-        chunks, the connection kept open (a hung replica that still passes /health)."""
+        chunks, the connection kept open (a hung replica that still passes /health);
+        `done_after`: seconds between the finish chunk and `[DONE]`."""
+        self.done_after = done_after
         self.interval = interval
         self.tokens = tokens
         self.hang_after = hang_after
@@ -23,6 +29,8 @@ class EndlessDecode:
         self.aborted_at: float | None = None
         self.aborted_ids: list[str] = []
         self.started_ids: list[str] = []
+        self.peers: list[object] = []
+        """Each request's client address (one per connection)."""
         self.app = web.Application(handler_args={"handler_cancellation": True})
         self.app.router.add_post("/inference/v1/generate", self.generate)
         self.app.router.add_post("/inference/v1/abort_requests", self.abort)
@@ -32,6 +40,9 @@ class EndlessDecode:
         body = await request.json()
         rid = "generate-tokens-" + request.headers.get("X-Request-Id", "x")
         self.started_ids.append(rid)
+        self.peers.append(
+            request.transport.get_extra_info("peername") if request.transport else None
+        )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
@@ -47,6 +58,7 @@ class EndlessDecode:
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 i += 1
                 if last:
+                    await asyncio.sleep(self.done_after)
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
                 await asyncio.sleep(self.interval)

@@ -143,3 +143,29 @@ async def test_failure_after_first_byte_ends_stream_in_band(
         await session.close()
         for server in (render, real_server, engine, derender):
             await server.close()
+
+
+async def test_finished_streams_reuse_the_engine_connection(
+    aiohttp_client: Any, tiers: Tiers
+) -> None:
+    """A stream that ended (its finish chunk, then `[DONE]`) is read to the end of its body, so
+    the next request reuses the connection to the engine: no new TCP connection per request on
+    either side, and nothing aborted."""
+    decode = EndlessDecode(interval=0.001, tokens=3, done_after=0.05)
+    engine = TestServer(decode.app)
+    await engine.start_server()
+    try:
+        config = ProxyConfig(
+            render_urls=(tiers.render,), derender_urls=(tiers.derender,), decode_urls=(url(engine),)
+        )
+        client = await aiohttp_client(make_proxy(config))
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        for _ in range(3):
+            resp = await client.post("/v1/chat/completions", json=body)
+            text = await resp.text()
+            assert resp.status == 200 and text.endswith("data: [DONE]\n\n")
+            assert text.count('"finish_reason":"length"') == 1
+        assert len(decode.peers) == 3 and len(set(decode.peers)) == 1
+        assert decode.aborted_ids == []
+    finally:
+        await engine.close()
