@@ -12,15 +12,14 @@ import asyncio
 import json
 import time
 import urllib.parse
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import uvloop
 
 from tokenline.launch import servers
+from tokenline.launch.bench.client import Connection, on_uvloop
 from tokenline.launch.bench.common import Result
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
@@ -51,71 +50,6 @@ def record(generate: Process, render: Process, n: int, tokens: int) -> list[Stre
         raw = post_raw(generate.url + "/inference/v1/generate", gen)
         streams.append((gen["token_ids"], [json.loads(p) for p in sse_payloads(raw)], chat))
     return streams
-
-
-class Connection:
-    """One keep-alive HTTP/1.1 connection, one request at a time: the load generator's client.
-
-    It shares the 2 cores with the servers and costs the same for either, so it is kept small:
-    a body is written in one call and the answer read by its Content-Length (or chunks), with
-    none of a general client's per-request machinery."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """The answer's status and body; a kept-alive connection the server has closed
-        meanwhile is opened again and the call sent once more (a derender call is pure)."""
-        reused = self.writer is not None
-        try:
-            return await self._post(path, body)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            self.close()
-            if not reused:
-                raise
-            return await self._post(path, body)
-
-    async def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None or self.reader is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        self.writer.write(head.encode() + body)
-        status, headers = _head(await self.reader.readuntil(b"\r\n\r\n"))
-        if headers.get("transfer-encoding") == "chunked":
-            payload = await _chunked(self.reader)
-        else:
-            payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
-        if headers.get("connection") == "close":
-            self.close()
-        return status, payload
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-
-def _head(raw: bytes) -> tuple[int, dict[str, str]]:
-    lines = raw.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip().lower()
-    return int(lines[0].split(" ", 2)[1]), headers
-
-
-async def _chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        parts.append(await reader.readexactly(size + 2))
-        if size == 0:
-            return b"".join(p[:-2] for p in parts)
 
 
 class Answer(msgspec.Struct):
@@ -189,12 +123,6 @@ async def replay(
     return Result(name, concurrency, chunks, elapsed, latencies, errors, tokens)
 
 
-def run(load: Coroutine[Any, Any, Result]) -> Result:
-    """One replay on uvloop, the cheaper event loop (the load generator shares the cores)."""
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(load)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=10)
@@ -228,8 +156,8 @@ def main() -> None:
             f"{args.duration:.0f} s per point"
         )
         for c in args.concurrency:
-            mine = run(replay("tokenline", ours.url, streams, c, args.duration))
-            theirs = run(replay("vllm", peer.url, streams, c, args.duration))
+            mine = on_uvloop(replay("tokenline", ours.url, streams, c, args.duration))
+            theirs = on_uvloop(replay("vllm", peer.url, streams, c, args.duration))
             for r in (mine, theirs):
                 print(
                     f"{r.name:>10} c={c:<3} {r.rate:8.0f} chunks/s {r.unit_rate:8.0f} tokens/s "

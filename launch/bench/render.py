@@ -1,10 +1,10 @@
 """Render benchmark: tokenline's render against vLLM's render server (`vllm launch render`),
 same model, same request mix, same run, several concurrencies.
 
-The load generator is the derender bench's bare keep-alive HTTP/1.1 client on uvloop, the same
-for both servers: it shares the 2 cores with them, and aiohttp's client (~200 us of CPU per
-request) took a sixth of the machine from whichever server was CPU-bound (tokenline's), none
-from vLLM's (bound by its one Python thread), so it pulled the ratio down.
+The load generator is the bare keep-alive HTTP/1.1 client of `launch/bench/client.py` on
+uvloop, the same for both servers: it shares the 2 cores with them, and aiohttp's client
+(~200 us of CPU per request) took a sixth of the machine from whichever server was CPU-bound
+(tokenline's), none from vLLM's (bound by its one Python thread), so it pulled the ratio down.
 
 The mix is the differential corpus with a long request (200 sentences, ~2.4-2.9k tokens) in
 every fourth place (`--long-every 0`: none), so templating and tokenizing a long prompt weigh as
@@ -26,10 +26,9 @@ import urllib.parse
 from pathlib import Path
 
 from tokenline.launch import servers
+from tokenline.launch.bench.client import Connection, on_uvloop
 from tokenline.launch.bench.common import Result, report
 from tokenline.launch.bench.corpus import chat_requests, completion_requests, with_long_messages
-from tokenline.launch.bench.derender import Connection
-from tokenline.launch.bench.derender import run as run_on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
@@ -128,7 +127,7 @@ def interleaved(
     for _ in range(rounds):
         for label, (url, pgid) in targets.items():
             before = group_cpu_seconds(pgid)
-            parts[label].append(run_on_uvloop(drive(label, url, mix, c, duration / rounds)))
+            parts[label].append(on_uvloop(drive(label, url, mix, c, duration / rounds)))
             cpu[label] += group_cpu_seconds(pgid) - before
     return {label: (_merged(p), cpu[label]) for label, p in parts.items()}
 
