@@ -4,7 +4,9 @@ loopback; the engine is a double that records when it was told to stop)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +38,25 @@ def proxy_config(
     )
 
 
-async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiers: Tiers) -> None:
-    decode = EndlessDecode()
+@contextlib.asynccontextmanager
+async def proxy_before(
+    aiohttp_client: Any, tiers: Tiers, decode: EndlessDecode
+) -> AsyncIterator[Any]:
+    """A proxy client in front of the tiers' render and derender and `decode` as the engine."""
     engine = TestServer(decode.app)
     await engine.start_server()
     try:
         config = ProxyConfig(
             render_urls=(tiers.render,), derender_urls=(tiers.derender,), decode_urls=(url(engine),)
         )
-        client = await aiohttp_client(make_proxy(config))
+        yield await aiohttp_client(make_proxy(config))
+    finally:
+        await engine.close()
+
+
+async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiers: Tiers) -> None:
+    decode = EndlessDecode()
+    async with proxy_before(aiohttp_client, tiers, decode) as client:
         resp = await client.post(
             "/v1/chat/completions",
             json={
@@ -68,8 +80,6 @@ async def test_disconnect_aborts_within_100_ms(aiohttp_client: Any, tiers: Tiers
         assert "abort-me" not in decode.started_ids[0]
         assert decode.aborted_at is not None and decode.aborted_at - closed < 0.1
         assert decode.cancelled_at is not None and decode.cancelled_at - closed < 0.1
-    finally:
-        await engine.close()
 
 
 async def test_failure_after_first_byte_ends_stream_in_band(
@@ -152,13 +162,7 @@ async def test_finished_streams_reuse_the_engine_connection(
     the next request reuses the connection to the engine: no new TCP connection per request on
     either side, and nothing aborted."""
     decode = EndlessDecode(interval=0.001, tokens=3, done_after=0.05)
-    engine = TestServer(decode.app)
-    await engine.start_server()
-    try:
-        config = ProxyConfig(
-            render_urls=(tiers.render,), derender_urls=(tiers.derender,), decode_urls=(url(engine),)
-        )
-        client = await aiohttp_client(make_proxy(config))
+    async with proxy_before(aiohttp_client, tiers, decode) as client:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
         for _ in range(3):
             resp = await client.post("/v1/chat/completions", json=body)
@@ -167,5 +171,3 @@ async def test_finished_streams_reuse_the_engine_connection(
             assert text.count('"finish_reason":"length"') == 1
         assert len(decode.peers) == 3 and len(set(decode.peers)) == 1
         assert decode.aborted_ids == []
-    finally:
-        await engine.close()
