@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -69,10 +69,10 @@ def _gone(exc: ServiceError) -> bool:
     return isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
 
 
-@contextlib.asynccontextmanager
-async def given_up_if_gone(role: str, worker: Worker, what: str) -> AsyncIterator[None]:
-    """The block, given up with `UpstreamUnavailable` as soon as `worker` leaves the rotation
-    (a partitioned host: its health checks fail long before a call's timeout)."""
+async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], Awaitable[T]]) -> T:
+    """`call(worker)`, given up with `UpstreamUnavailable` as soon as `worker` leaves the
+    rotation (a partitioned host: its health checks fail long before a call's timeout). A
+    stream on it is given up by closing its connection instead (`proxy.upstream`)."""
     try:
         async with asyncio.timeout(None) as watch:
 
@@ -81,20 +81,13 @@ async def given_up_if_gone(role: str, worker: Worker, what: str) -> AsyncIterato
 
             worker.watching.add(give_up)
             try:
-                yield
+                return await call(worker)
             finally:
                 worker.watching.discard(give_up)
     except TimeoutError:
         if not watch.expired():
             raise
-        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-{what}") from None
-
-
-async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], Awaitable[T]]) -> T:
-    """`call(worker)`, given up if `worker` leaves the rotation meanwhile."""
-    async with given_up_if_gone(role, worker, "call"):
-        answer = await call(worker)
-    return answer
+        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-call") from None
 
 
 async def on_replicas(

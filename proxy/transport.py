@@ -2,8 +2,8 @@
 
 * `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
 * `ZmqDerender` (proxy/channel.py): msgpack calls over one DEALER socket per replica.
-* `BatchedDerender`: every chunk pending in one event-loop turn, of every stream, in one POST
-  per derender replica (tokenline's `/derender/batch` routes; an item's error is that item's).
+* `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one POST per
+  derender replica (tokenline's `/derender/batch` routes; an item's error is that item's).
 
 Whole (non-streaming) answers always go over HTTP. Every transport retries through
 `proxy.retry.on_replicas` (derender is pure: any replica may answer a call again).

@@ -127,7 +127,7 @@ async def stream_payloads(
         ) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
-            with _given_up_if_gone(pool.role, worker, resp):
+            with _closed_when_gone(pool.role, worker, resp):
                 events = SseEvents()
                 first = True
                 async for data in resp.content.iter_any():
@@ -155,12 +155,13 @@ async def _rest_of_body(resp: aiohttp.ClientResponse) -> None:
 
 
 @contextlib.contextmanager
-def _given_up_if_gone(role: str, worker: Worker, resp: aiohttp.ClientResponse) -> Iterator[None]:
+def _closed_when_gone(role: str, worker: Worker, resp: aiohttp.ClientResponse) -> Iterator[None]:
     """A stream given up with `UpstreamUnavailable` as soon as `worker` leaves the rotation (a
     partitioned host would otherwise hold it for the idle timeout, and it could not migrate).
 
     The connection is closed under the reader, whichever task reads it and whenever it next
-    does (a timeout would cancel the task that entered it, which may be waiting elsewhere)."""
+    does (a timeout, as `retry.unless_abandoned` uses for a call, would cancel the task that
+    entered it, which may be waiting elsewhere: on derender)."""
     gone = False
 
     def give_up() -> None:
