@@ -439,7 +439,7 @@ def test_cpu_is_read_from_the_process_tree() -> None:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    split = cpu.Split(1.0, 0.5, 2.0, (("proxy", 0.75), ("render", 0.25)))
+    split = cpu.Split(0.5, 2.0, (("proxy", 0.75), ("render", 0.25)))
     assert cpu.per_token(split, 1000, has_front=False) == {
         "cpu_front_us": None,
         "cpu_front_parts_us": {"proxy": 750.0, "render": 250.0},

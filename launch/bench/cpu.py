@@ -19,20 +19,22 @@ ENGINE_CORE = "VLLM::EngineCor"  # vLLM's process title, as the kernel keeps it 
 
 @dataclass(frozen=True)
 class Split:
-    """CPU seconds: front end, vLLM server outside the model, the model."""
+    """CPU seconds: the vLLM server outside the model, the model, and the front end (by
+    process)."""
 
-    front: float = 0.0
     server: float = 0.0
     core: float = 0.0
     parts: tuple[tuple[str, float], ...] = ()
     """The front end by process (name, CPU seconds)."""
 
+    @property
+    def front(self) -> float:
+        return sum(s for _, s in self.parts)
+
     def __sub__(self, other: Split) -> Split:
         before = dict(other.parts)
         parts = tuple((name, s - before.get(name, 0.0)) for name, s in self.parts)
-        return Split(
-            self.front - other.front, self.server - other.server, self.core - other.core, parts
-        )
+        return Split(self.server - other.server, self.core - other.core, parts)
 
 
 def _tree(process: Process) -> list[tuple[str, float]]:
@@ -65,7 +67,7 @@ def sample(front: Sequence[Process], server: Process | None) -> Split:
             core_s += s
         else:
             server_s += s
-    return Split(sum(s for _, s in parts), server_s, core_s, parts)
+    return Split(server_s, core_s, parts)
 
 
 def per_token(used: Split, tokens: int, has_front: bool) -> dict[str, Any]:

@@ -303,7 +303,7 @@ async def bench(http_server: Process, grpc_server: Process, args: argparse.Names
 def summary(runs: dict[str, list[Run]]) -> None:
     def total(name: str) -> Run:
         rs = runs[name]
-        cpu = Split(0.0, sum(r.cpu.server for r in rs), sum(r.cpu.core for r in rs))
+        cpu = Split(sum(r.cpu.server for r in rs), sum(r.cpu.core for r in rs))
         seconds, client = sum(r.seconds for r in rs), sum(r.client for r in rs)
         return Run(name, sum(r.tokens for r in rs), seconds, cpu, client)
 
