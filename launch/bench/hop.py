@@ -1,9 +1,9 @@
 """The derender hop's cost per generated token: the vLLM-compatible HTTP hop against the
 persistent ZMQ channel (msgpack frames) and cross-stream batching (one call per derender
-replica per event-loop turn), same proxy code, same load, same run.
+replica for the chunks of one engine step), same proxy code, same load, same run.
 
 A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
-proxy + derender process CPU seconds (from /proc) divided by the tokens delivered.
+proxy + derender process CPU seconds (`launch/bench/cpu.py`) divided by the tokens delivered.
 
     .venv/bin/python -m tokenline.launch.bench.hop [--streams 64] [--tokens 256] [--concurrency 8]
 """
@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 
 from tokenline.launch import servers
+from tokenline.launch.bench import cpu
 from tokenline.launch.models.build import build
-
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def batch_items(url: str) -> tuple[float, float]:
@@ -35,11 +32,6 @@ def batch_items(url: str) -> tuple[float, float]:
             if line.startswith(f"tokenline_proxy_derender_batch_items_{part} "):
                 found[part] = float(line.split()[1])
     return found["sum"], found["count"]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: bool) -> int:
@@ -113,15 +105,14 @@ def main() -> None:
         for logprobs in (False, True):
             for transport, proxy in proxies.items():
                 asyncio.run(load(proxy.url, 4, 16, 2, logprobs))  # warm-up
-                pids = [proxy.proc.pid, derender.proc.pid]  # type: ignore[union-attr]
-                before = [cpu_seconds(p) for p in pids]
+                before = cpu.sample([proxy, derender], None)
                 items_before = batch_items(proxy.url)
                 start = time.perf_counter()
                 tokens = asyncio.run(
                     load(proxy.url, args.streams, args.tokens, args.concurrency, logprobs)
                 )
                 wall = time.perf_counter() - start
-                used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
+                used = [s for _, s in (cpu.sample([proxy, derender], None) - before).parts]
                 items, batches = (
                     a - b for a, b in zip(batch_items(proxy.url), items_before, strict=True)
                 )

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 import urllib.parse
 from pathlib import Path
@@ -29,6 +28,7 @@ from tokenline.launch import servers
 from tokenline.launch.bench.client import Connection, on_uvloop
 from tokenline.launch.bench.common import Result, report
 from tokenline.launch.bench.corpus import chat_requests, completion_requests, with_long_messages
+from tokenline.launch.bench.cpu import sample as cpu_sample
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
@@ -85,21 +85,6 @@ async def drive(
     return Result(name, concurrency, len(latencies), elapsed, latencies, errors)
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of every live process in a process group (a server and its
-    workers): what a request costs the server, whatever else the shared machine runs."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # the process ended meanwhile
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
-
-
 def _merged(parts: list[Result]) -> Result:
     first = parts[0]
     return Result(
@@ -113,22 +98,22 @@ def _merged(parts: list[Result]) -> Result:
 
 
 def interleaved(
-    targets: dict[str, tuple[str, int]],
+    targets: dict[str, Process],
     mix: list[tuple[str, bytes]],
     c: int,
     duration: float,
     rounds: int,
 ) -> dict[str, tuple[Result, float]]:
-    """Each target (label: (url, process group)) in turn for `duration / rounds` seconds,
-    `rounds` times, merged: load from elsewhere on a shared machine then falls on every target
-    alike. Each result comes with the CPU seconds its server spent."""
+    """Each target (label: server) in turn for `duration / rounds` seconds, `rounds` times,
+    merged: load from elsewhere on a shared machine then falls on every target alike. Each
+    result comes with the CPU seconds its server (and its worker processes) spent."""
     parts: dict[str, list[Result]] = {label: [] for label in targets}
     cpu = dict.fromkeys(targets, 0.0)
     for _ in range(rounds):
-        for label, (url, pgid) in targets.items():
-            before = group_cpu_seconds(pgid)
-            parts[label].append(on_uvloop(drive(label, url, mix, c, duration / rounds)))
-            cpu[label] += group_cpu_seconds(pgid) - before
+        for label, server in targets.items():
+            before = cpu_sample([server], None)
+            parts[label].append(on_uvloop(drive(label, server.url, mix, c, duration / rounds)))
+            cpu[label] += (cpu_sample([server], None) - before).front
     return {label: (_merged(p), cpu[label]) for label, p in parts.items()}
 
 
@@ -162,11 +147,10 @@ def run_model(served: str, args: argparse.Namespace) -> None:
     try:
         servers.start_all(list(started.values()), 180)
         mix = request_mix(served, args.long_every)
-        urls = {label: (server.url, _pgid(server)) for label, server in started.items()}
         results = {
             (label, c): measured
             for c in args.concurrency
-            for label, measured in interleaved(urls, mix, c, args.duration, args.rounds).items()
+            for label, measured in interleaved(started, mix, c, args.duration, args.rounds).items()
         }
     finally:
         for s in started.values():
@@ -185,11 +169,6 @@ def run_model(served: str, args: argparse.Namespace) -> None:
                 f"{'server CPU':>10} c={c:<3} {mine:.0f} vs {theirs:.0f} us/request "
                 f"(vLLM/tokenline = {theirs / mine:.2f}x)"
             )
-
-
-def _pgid(server: Process) -> int:
-    assert server.proc is not None
-    return server.proc.pid  # each server leads its own session, so its group
 
 
 def main() -> None:
