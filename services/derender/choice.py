@@ -4,12 +4,16 @@
 and returns the text that may be shown now, the tokens that count, and the final finish/stop
 reasons. Its whole memory is a `ChoiceState`, which round-trips through `DerenderStreamState`
 so that any replica can take the next chunk. Non-streaming is one `feed(..., final=True)`.
+
+The values here are msgspec Structs rather than dataclasses: a stream builds each of them once
+per chunk, and a Struct is built in C (a frozen dataclass costs over a microsecond).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tokenline.services.derender.detok import Detokenizer, DetokState, seed
 from tokenline.services.derender.stops import STOP_TAIL_CHARS, StopChecker, StopState, tail_room
@@ -25,8 +29,7 @@ from tokenline.shared.wire import (
 )
 
 
-@dataclass(frozen=True)
-class ChoiceOptions:
+class ChoiceOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What the original request says about turning tokens into text."""
 
     skip_special_tokens: bool = True
@@ -54,19 +57,17 @@ class ChoiceOptions:
         )
 
 
-@dataclass(frozen=True)
-class ReasoningCount:
+class ReasoningCount(msgspec.Struct, frozen=True):
     """A reasoning-token count in progress: the tokens counted and the open `<think>` spans."""
 
     tokens: int
     depth: int
 
 
-@dataclass
-class ChoiceState:
+class ChoiceState(msgspec.Struct):
     detok: DetokState
-    stop: StopState = field(default_factory=StopState)
-    context: list[int] = field(default_factory=list)
+    stop: StopState = msgspec.field(default_factory=StopState)
+    context: list[int] = []
     text_offset: int = 0
     completion_tokens: int = 0
     stopped: bool = False
@@ -145,8 +146,7 @@ def _check_windows(s: DerenderStreamState, options: ChoiceOptions) -> None:
         )
 
 
-@dataclass
-class ChoiceOutput:
+class ChoiceOutput(msgspec.Struct):
     text: str
     token_ids: list[int]
     logprobs: list[GenerateLogProbsContent] | None
@@ -154,7 +154,7 @@ class ChoiceOutput:
     stop_reason: StopReason
     stop_string: str | None = None  # set when a stop string ended the output in this chunk
     text_offset: int = 0  # completions logprobs: offset of this chunk's first token
-    context: list[int] = field(default_factory=list)  # sampled IDs before this chunk (logprobs)
+    context: list[int] = []  # sampled IDs before this chunk (logprobs)
 
     @property
     def hides_last(self) -> bool:
@@ -162,8 +162,7 @@ class ChoiceOutput:
         return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
-@dataclass
-class ChoiceDecoder:
+class ChoiceDecoder(msgspec.Struct):
     tok: ModelTokenizer
     options: ChoiceOptions
     state: ChoiceState
@@ -201,19 +200,15 @@ class ChoiceDecoder:
         detok = Detokenizer(
             self.tok, opts.skip_special_tokens, opts.spaces_between_special_tokens, state.detok
         )
-        checker = StopChecker(list(opts.stops), opts.include_stop_str_in_output, state.stop)
         skip_last = self._is_stop_token(ids, finish_reason, stop_reason)
-        kept, matched = len(ids), None
-        for i, token_id in enumerate(ids):
-            piece = "" if skip_last and i == len(ids) - 1 else detok.feed(token_id)
-            counted = state.completion_tokens + i + 1
-            match = checker.add(piece, check=counted > opts.min_tokens)
-            if match is not None:
-                kept, matched = i + 1, match.stop
-                break
+        if opts.stops or state.stop.unsent:
+            kept, matched, text = self._stop_checked(detok, ids, skip_last, finish_reason)
+        else:  # no stop strings and nothing held back: every token's text is sent at once
+            kept, matched = len(ids), None
+            text = "".join([detok.feed(t) for t in (ids[:-1] if skip_last else ids)])
+            state.stop.tail = ""  # as the checker leaves it: no stop string to match across
         if matched is not None:
             finish_reason, stop_reason, state.stopped = "stop", matched, True
-        text = checker.release(final=finish_reason is not None)
         out = ChoiceOutput(
             text=text,
             token_ids=ids[:kept],
@@ -222,8 +217,23 @@ class ChoiceDecoder:
             stop_reason=self._public_reason(stop_reason),
             stop_string=matched,
             text_offset=state.text_offset,
-            context=list(state.context),
+            context=state.context,  # not copied: the state gets a new list below
         )
         state.completion_tokens += kept
         state.context = [*state.context, *ids[:kept]][-LOGPROB_CONTEXT:]
         return out
+
+    def _stop_checked(
+        self, detok: Detokenizer, ids: list[int], skip_last: bool, finish_reason: str | None
+    ) -> tuple[int, str | None, str]:
+        """The tokens' texts through the stop strings: how many tokens count, the stop string
+        that ended the output (None: none did), and the text that may be sent now."""
+        state, opts = self.state, self.options
+        checker = StopChecker(opts.stops, opts.include_stop_str_in_output, state.stop)
+        for i, token_id in enumerate(ids):
+            piece = "" if skip_last and i == len(ids) - 1 else detok.feed(token_id)
+            counted = state.completion_tokens + i + 1
+            match = checker.add(piece, check=counted > opts.min_tokens)
+            if match is not None:
+                return i + 1, match.stop, checker.release(final=True)
+        return len(ids), None, checker.release(final=finish_reason is not None)

@@ -15,18 +15,17 @@ part grows long (it keeps `DETOK_STATE_IDS - DETOK_MAX_WINDOW + 1` IDs, more tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
-from tokenline.services.derender.texts import token_texts
+from tokenline.services.derender.texts import TokenTexts, token_texts
 from tokenline.shared.limits import DETOK_MAX_WINDOW, DETOK_PROMPT_SEED, DETOK_STATE_IDS
 from tokenline.shared.tokenizer import ModelTokenizer
 
 
-@dataclass
-class DetokState:
+class DetokState(msgspec.Struct):
     """`ids[:prefix]` is the text already emitted; `ids[prefix:]` is held back."""
 
-    ids: list[int] = field(default_factory=list)
+    ids: list[int] = []
     prefix: int = 0
     last_special: bool = False
 
@@ -40,14 +39,25 @@ def seed(prompt_ids: list[int] | None) -> DetokState:
     return DetokState(ids=tail, prefix=len(tail))
 
 
-@dataclass
 class Detokenizer:
-    """`feed(token_id) -> str`: the text this token adds (often "" while bytes are pending)."""
+    """`feed(token_id) -> str`: the text this token adds (often "" while bytes are pending).
 
-    tok: ModelTokenizer
-    skip_special_tokens: bool
-    spaces_between_special_tokens: bool
-    state: DetokState
+    One is built per chunk (a plain class with slots: that costs less than a dataclass)."""
+
+    __slots__ = ("skip_special_tokens", "spaces_between_special_tokens", "state", "texts", "tok")
+
+    def __init__(
+        self,
+        tok: ModelTokenizer,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+        state: DetokState,
+    ) -> None:
+        self.tok = tok
+        self.texts: TokenTexts = token_texts(tok)
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.state = state
 
     def feed(self, token_id: int) -> str:
         text = self._step(token_id) if self._shows(token_id) else ""
@@ -70,11 +80,11 @@ class Detokenizer:
         return not (self.skip_special_tokens and token_id in self.tok.special_ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return token_texts(self.tok).decode(ids, self.skip_special_tokens)
+        return self.texts.decode(ids, self.skip_special_tokens)
 
     def _step(self, token_id: int) -> str:
         state = self.state
-        if state.held == 0 and (own := token_texts(self.tok).own_text(token_id)) is not None:
+        if state.held == 0 and (own := self.texts.own_text(token_id)) is not None:
             # nothing held back: the window's text ends on a character boundary, and this
             # token's bytes are whole characters (`texts.py`): what the general path computes
             state.ids, state.prefix = [token_id], 1

@@ -10,7 +10,6 @@ message's fields (`content or ""` for required and named choices, `include_reaso
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -85,7 +84,7 @@ class ChatParsing:
         skip = skips_special_tokens(
             self.request, self.flags.tool_call_parser, self.flags.reasoning_parser
         )
-        return dataclasses.replace(options, skip_special_tokens=skip)
+        return msgspec.structs.replace(options, skip_special_tokens=skip)
 
     def pieces(
         self, ids: list[int], text: str, final: bool, state: dict[str, Any] | None = None

@@ -10,7 +10,9 @@ are not part of the output (and not counted in usage).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 STOP_TAIL_CHARS = 65536
 """What a stream state's stop tail may hold whatever the request says; longer only when the
@@ -29,7 +31,7 @@ class Match:
     cut: int  # length of the output text to keep, counted from the start of `text`
 
 
-def find_stop(text: str, new_chars: int, stops: list[str], include: bool) -> Match | None:
+def find_stop(text: str, new_chars: int, stops: Sequence[str], include: bool) -> Match | None:
     """vLLM's `check_stop_strings` over `text`, whose last `new_chars` characters are new."""
     if not new_chars or not stops:
         return None
@@ -44,25 +46,25 @@ def find_stop(text: str, new_chars: int, stops: list[str], include: bool) -> Mat
     return Match(stop, end if include else start)
 
 
-@dataclass
-class StopState:
+class StopState(msgspec.Struct):
     """What must survive between chunks: the text tail a match could still start in, and how
-    much of it has not been sent yet."""
+    much of it has not been sent yet (a Struct: one is built per chunk)."""
 
     tail: str = ""
     unsent: int = 0
 
 
-@dataclass
 class StopChecker:
-    stops: list[str]
-    include_in_output: bool
-    state: StopState
-    context: int = field(init=False)
-    """`tail_room(stops)`: the text kept between chunks for a match to start in."""
+    """One chunk's stop-string check over the state it carries (a plain class with slots: one
+    is built per chunk, and that costs less than a dataclass)."""
 
-    def __post_init__(self) -> None:
-        self.context = tail_room(self.stops)
+    __slots__ = ("context", "include_in_output", "state", "stops")
+
+    def __init__(self, stops: Sequence[str], include_in_output: bool, state: StopState) -> None:
+        self.stops = stops
+        self.include_in_output = include_in_output
+        self.state = state
+        self.context = tail_room(stops)  # the text kept between chunks for a match to start in
 
     @property
     def holdback(self) -> int:
