@@ -29,7 +29,7 @@ from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST
+from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST, JSON
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -51,6 +51,18 @@ class DerenderState:
         if inline:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+
+    async def answer(self, kind: Kind, req: DerenderRequest, tokens: int) -> Any:
+        """One call's answer: a small stream chunk inline, anything larger in a thread."""
+        if req.stream and tokens <= INLINE_TOKENS:
+            return derender(kind, req, self.tok, self.settings)
+        call = functools.partial(derender, kind, req, self.tok, self.settings)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+
+    def count(self, chunks: int, tokens: int) -> None:
+        if chunks:
+            self.chunks.inc(chunks)
+        self.tokens.inc(tokens)
 
 
 STATE = web.AppKey("derender_state", DerenderState)
@@ -81,31 +93,44 @@ async def state_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def _tokens(req: DerenderRequest) -> int:
     if req.generate_chunk is not None:
-        choices: list[Any] = list(req.generate_chunk.choices)
-    else:
-        choices = [c for r in req.responses() for c in r.choices]
-    return sum(len(c.token_ids or []) for c in choices)
+        return sum(len(c.token_ids or ()) for c in req.generate_chunk.choices)
+    return sum(len(c.token_ids or ()) for r in req.responses() for c in r.choices)
 
 
 async def _one(state: DerenderState, kind: Kind, req: DerenderRequest) -> Any:
     tokens = _tokens(req)
-    state.tokens.inc(tokens)
-    if req.stream:
-        state.chunks.inc()
-    inline = req.stream and tokens <= INLINE_TOKENS
-    return await state.run(functools.partial(derender, kind), req, inline)
+    state.count(int(req.stream), tokens)
+    return await state.answer(kind, req, tokens)
 
 
 async def _channel_handle(app: web.Application, kind: Kind, req: DerenderRequest) -> Any:
     return await _one(app[STATE], kind, req)
 
 
-async def _item(state: DerenderState, kind: Kind, raw: msgspec.Raw) -> Any:
-    """One item of a batch: its answer, or its own error envelope (never its neighbours')."""
+async def _channel_batch(app: web.Application, kind: Kind, body: bytes) -> bytes:
+    """A batch call over the channel: the batch route's body in, its answer out."""
+    items = DERENDER_BATCH.decode(body).requests
+    return JSON.encode(await _batch_answers(app[STATE], kind, items))
+
+
+async def _batch_answers(state: DerenderState, kind: Kind, items: list[msgspec.Raw]) -> list[Any]:
+    """Each item's answer, or its own error envelope (never its neighbours'). The counters move
+    once per batch: a Counter.inc takes a lock, and per item that cost more than a small
+    chunk's whole derender."""
+    answers: list[Any] = []
+    chunks = tokens = 0
     try:
-        return await _one(state, kind, kind.derender_json.decode(raw))
-    except Exception as exc:
-        return as_service_error(exc).to_wire()
+        for raw in items:
+            try:
+                req = kind.derender_json.decode(raw)
+                n = _tokens(req)
+                chunks, tokens = chunks + req.stream, tokens + n
+                answers.append(await state.answer(kind, req, n))
+            except Exception as exc:
+                answers.append(as_service_error(exc).to_wire())
+    finally:
+        state.count(chunks, tokens)
+    return answers
 
 
 def _handlers(kind: Kind) -> tuple[Handler, Handler]:
@@ -121,8 +146,7 @@ def _handlers(kind: Kind) -> tuple[Handler, Handler]:
         is no batch at all). Chunks of one stream are chained by the caller's states, so a
         batch carries at most one chunk per stream."""
         items = DERENDER_BATCH.decode(await read_json_body(request)).requests
-        state = request.app[STATE]
-        return json_response([await _item(state, kind, raw) for raw in items])
+        return json_response(await _batch_answers(request.app[STATE], kind, items))
 
     return single, batch
 
@@ -140,7 +164,9 @@ def make_app(config: DerenderConfig) -> web.Application:
     app[CONFIG], app[METRICS] = config, metrics
     app.cleanup_ctx.append(state_ctx)
     if config.zmq_port is not None:
-        app.cleanup_ctx.append(channel_ctx(config.host, config.zmq_port, _channel_handle))
+        app.cleanup_ctx.append(
+            channel_ctx(config.host, config.zmq_port, _channel_handle, _channel_batch)
+        )
         app.router.add_get("/v1/zmq", endpoint)
     for kind in KINDS.values():
         single, batch = _handlers(kind)
