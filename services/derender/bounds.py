@@ -17,6 +17,7 @@ from tokenline.shared.served import served_name
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     GenerateChoice,
+    GenerateLogProbsContent,
     GenerateResponse,
     GenerateStreamChoice,
     PromptLogprobs,
@@ -39,7 +40,7 @@ def model_name(requested: str | None, settings: DerenderSettings) -> str:
 
 
 def _check_ids(ids: Collection[int], tok: ModelTokenizer, where: str) -> None:
-    if max(ids, default=-1) < tok.vocab_size:  # the common case, at C speed
+    if not ids or max(ids) < tok.vocab_size:  # the common case, at C speed
         return
     token_id = next(t for t in ids if t >= tok.vocab_size)
     raise BadRequest(
@@ -80,10 +81,33 @@ def check_choice(c: Choice, tok: ModelTokenizer, s: DerenderSettings, whole: boo
             f"token_ids ({len(ids)}).",
             param="logprobs",
         )
+    if not _logprobs_fit(content, tok, s):
+        _check_logprob_entries(content, c.index, tok, s)
+
+
+def _logprobs_fit(
+    content: list[GenerateLogProbsContent], tok: ModelTokenizer, s: DerenderSettings
+) -> bool:
+    """Every entry within bounds (the common case, checked in one plain loop: a chunk has a
+    token or a few); False sends the entries through `_check_logprob_entries`, which names
+    the first fault."""
+    limit, vocab = s.max_logprobs + 2, tok.vocab_size
+    for entry in content:
+        if len(entry.top_logprobs) > limit or entry.token_id >= vocab:
+            return False
+        for top in entry.top_logprobs:
+            if top.token_id >= vocab:
+                return False
+    return True
+
+
+def _check_logprob_entries(
+    content: list[GenerateLogProbsContent], index: int, tok: ModelTokenizer, s: DerenderSettings
+) -> None:
     for entry in content:
         if len(entry.top_logprobs) > s.max_logprobs + 2:
             raise BadRequest(
-                f"top_logprobs count ({len(entry.top_logprobs)}) in choice {c.index} exceeds "
+                f"top_logprobs count ({len(entry.top_logprobs)}) in choice {index} exceeds "
                 f"max_logprobs ({s.max_logprobs}).",
                 param="top_logprobs",
             )

@@ -25,6 +25,7 @@ from tokenline.shared.wire import (
     CompletionRequest,
     DerenderStreamState,
     GenerateLogProbsContent,
+    Stop,
     StopReason,
 )
 
@@ -44,17 +45,25 @@ class ChoiceOptions(msgspec.Struct, frozen=True, kw_only=True):
     def of(cls, request: ChatCompletionRequest | CompletionRequest | None) -> ChoiceOptions:
         if request is None:
             return cls()
-        stop = request.stop
-        stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if s)
         return cls(
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            stops=stops,
+            stops=_stops(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
             min_tokens=request.min_tokens,
-            stop_token_ids=frozenset(request.stop_token_ids or ()),
+            stop_token_ids=frozenset(request.stop_token_ids) if request.stop_token_ids else NO_IDS,
             ignore_eos=request.ignore_eos,
         )
+
+
+NO_IDS: frozenset[int] = frozenset()
+
+
+def _stops(stop: Stop) -> tuple[str, ...]:
+    """The stop strings to look for: a lone string as given, empty ones out of a list."""
+    if isinstance(stop, str):
+        return (stop,)
+    return tuple([s for s in stop if s]) if stop else ()
 
 
 class ReasoningCount(msgspec.Struct, frozen=True):
@@ -88,19 +97,12 @@ class ChoiceState(msgspec.Struct):
         """Checks what the schema cannot: IDs against the vocabulary, offsets against lengths,
         windows against what this detokenizer and these stop strings ever leave."""
         _check_windows(s, options)
-        for name, ids in (
-            ("detok_ids", s.detok_ids),
-            ("logprob_context_token_ids", s.logprob_context_token_ids),
-        ):
-            if max(ids, default=-1) >= tok.vocab_size:
-                raise InvalidStreamState(
-                    f"invalid stream_state: {name} outside the vocabulary",
-                    param=f"stream_state.{name}",
-                )
+        _check_vocabulary(s, tok.vocab_size)
+        # the lists are taken, not copied: the state only ever replaces them, never changes them
         return cls(
-            detok=DetokState(list(s.detok_ids), s.detok_prefix, s.last_special),
+            detok=DetokState(s.detok_ids, s.detok_prefix, s.last_special),
             stop=StopState(s.stop_tail, s.unsent_chars),
-            context=list(s.logprob_context_token_ids),
+            context=s.logprob_context_token_ids,
             text_offset=s.logprob_text_offset,
             completion_tokens=s.completion_tokens,
             stopped=s.stopped,
@@ -139,11 +141,25 @@ def _check_windows(s: DerenderStreamState, options: ChoiceOptions) -> None:
             "invalid stream_state: detok_ids holds back more than the detokenizer does",
             param="stream_state.detok_ids",
         )
-    if len(s.stop_tail) > max(STOP_TAIL_CHARS, tail_room(options.stops)):
+    if len(s.stop_tail) > STOP_TAIL_CHARS and len(s.stop_tail) > tail_room(options.stops):
         raise InvalidStreamState(
             "invalid stream_state: stop_tail is longer than the stop strings need",
             param="stream_state.stop_tail",
         )
+
+
+def _check_vocabulary(s: DerenderStreamState, vocab_size: int) -> None:
+    # (`max(ids, default=...)` costs more than the test for an empty list)
+    if s.detok_ids and max(s.detok_ids) >= vocab_size:
+        raise _outside_vocabulary("detok_ids")
+    if s.logprob_context_token_ids and max(s.logprob_context_token_ids) >= vocab_size:
+        raise _outside_vocabulary("logprob_context_token_ids")
+
+
+def _outside_vocabulary(name: str) -> InvalidStreamState:
+    return InvalidStreamState(
+        f"invalid stream_state: {name} outside the vocabulary", param=f"stream_state.{name}"
+    )
 
 
 class ChoiceOutput(msgspec.Struct):
