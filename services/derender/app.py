@@ -92,9 +92,17 @@ async def state_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def _tokens(req: DerenderRequest) -> int:
-    if req.generate_chunk is not None:
-        return sum(len(c.token_ids or ()) for c in req.generate_chunk.choices)
-    return sum(len(c.token_ids or ()) for r in req.responses() for c in r.choices)
+    """The output tokens a call carries (a plain loop: a generator costs more than a chunk's
+    one choice)."""
+    chunk = req.generate_chunk
+    choices = (
+        chunk.choices if chunk is not None else [c for r in req.responses() for c in r.choices]
+    )
+    count = 0
+    for c in choices:
+        if c.token_ids:
+            count += len(c.token_ids)
+    return count
 
 
 async def _one(state: DerenderState, kind: Kind, req: DerenderRequest) -> Any:
