@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tokenline.services.derender.bounds import (
     DerenderSettings,
     check_choice,
@@ -60,9 +62,8 @@ from tokenline.shared.wire import (
 DerenderRequest = DerenderChatRequest | DerenderCompletionRequest
 
 
-@dataclass
-class StreamCall:
-    """One streaming call, as the per-kind pieces see it."""
+class StreamCall(msgspec.Struct):
+    """One streaming call, as the per-kind pieces see it (a Struct: one is built per chunk)."""
 
     tok: ModelTokenizer
     request: Any

@@ -83,7 +83,7 @@ class LogprobResolver:
     def __init__(self, tok: ModelTokenizer, context: Sequence[int]) -> None:
         self.tok = tok
         self.known = token_texts(tok).decoded
-        self.context = list(context)[-LOGPROB_CONTEXT:]
+        self.context = list(context[-LOGPROB_CONTEXT:])
         self.repaired: dict[int, Decoded] = {}
         """This position's repaired tokens: the sampled one is often among its candidates."""
 

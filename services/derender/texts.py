@@ -46,6 +46,9 @@ class TokenTexts:
     decoded: dict[int, Decoded] = field(default_factory=dict)
     """`standalone`'s cache, bounded by the vocabulary (the bytes lists are shared, never
     changed)."""
+    own: dict[int, str | None] = field(default_factory=dict)
+    """`own_text`'s cache, bounded by the vocabulary (the detokenizer asks it for every
+    token)."""
 
     @classmethod
     def of(cls, tok: ModelTokenizer) -> TokenTexts:
@@ -65,6 +68,12 @@ class TokenTexts:
     def own_text(self, token_id: int) -> str | None:
         """The text `token_id` adds after text ending on a character boundary, when that is
         its own text (None: decode the window)."""
+        if token_id in self.own:
+            return self.own[token_id]
+        found = self.own[token_id] = self._own_text(token_id)
+        return found
+
+    def _own_text(self, token_id: int) -> str | None:
         if not self.byte_level or token_id in self.added:
             return None
         text = self.tok.decode_one(token_id)
