@@ -221,7 +221,7 @@ class ChoiceDecoder(msgspec.Struct):
             kept, matched, text = self._stop_checked(detok, ids, skip_last, finish_reason)
         else:  # no stop strings and nothing held back: every token's text is sent at once
             kept, matched = len(ids), None
-            text = "".join([detok.feed(t) for t in (ids[:-1] if skip_last else ids)])
+            text = "".join(map(detok.feed, ids[:-1] if skip_last else ids))
             state.stop.tail = ""  # as the checker leaves it: no stop string to match across
         if matched is not None:
             finish_reason, stop_reason, state.stopped = "stop", matched, True
