@@ -1,0 +1,85 @@
+"""The batched derender route in process (no vLLM): answers in order, errors per item, the
+chunk and token counters moved once per batch by what the items carried; and a stream state's
+stop tail, when the request has no stop strings, handled as the stop checker handles it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient
+
+from tokenline.services.derender.app import make_app
+from tokenline.services.derender.bounds import DerenderSettings
+from tokenline.services.derender.config import DerenderConfig
+from tokenline.services.derender.derender import derender
+from tokenline.shared.kinds import CHAT
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import DERENDER_CHAT, JSON
+
+SETTINGS = DerenderSettings(served_model_names=("tiny",), max_model_len=2048)
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any, tiny_tok: ModelTokenizer) -> TestClient:
+    config = DerenderConfig(
+        model=str(tiny_tok.path), served_model_names=("tiny",), max_model_len=2048
+    )
+    return await aiohttp_client(make_app(config))
+
+
+def _item(ids: list[int], state: dict[str, Any] | None = None, **request: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "stream": True,
+        "model": "tiny",
+        "generate_chunk": {
+            "request_id": "r",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": None}],
+        },
+        "chat_request": {"messages": [{"role": "user", "content": ""}], **request},
+    }
+    if state is not None:
+        body["stream_state"] = state
+    return body
+
+
+def _counter(metrics: str, name: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith(f"tokenline_derender_{name} "))
+    return float(line.split()[1])
+
+
+async def test_batch_answers_each_item_and_counts_once(
+    client: TestClient, tiny_tok: ModelTokenizer
+) -> None:
+    ids = tiny_tok.encode(" hello world again", add_special_tokens=False)
+    items = [_item(ids[:1]), {"stream": "no"}, _item(ids[1:3]), _item([tiny_tok.vocab_size])]
+    resp = await client.post(CHAT.batch_path, json={"requests": items})
+    assert resp.status == 200
+    answers = await resp.json()
+    assert answers[0]["chunk"]["choices"][0]["delta"]["content"] == tiny_tok.decode(ids[:1])
+    assert answers[1]["error"]["code"] == 400  # not even a derender call: not counted
+    assert answers[2]["chunk"]["choices"][0]["delta"]["content"] == tiny_tok.decode(ids[1:3])
+    assert "outside the vocabulary" in answers[3]["error"]["message"]  # counted, then refused
+    metrics = await (await client.get("/metrics")).text()
+    assert _counter(metrics, "chunks_total") == 3
+    assert _counter(metrics, "tokens_total") == 4
+
+
+def _stream_text(tok: ModelTokenizer, ids: list[int], state: dict[str, Any]) -> tuple[str, Any]:
+    req = DERENDER_CHAT.decode(JSON.encode(_item(ids, state)))
+    out = derender(CHAT, req, tok, SETTINGS)
+    return out.chunk.choices[0].delta.content, msgspec.to_builtins(out.stream_state)
+
+
+def test_stop_tail_without_stop_strings_as_the_checker_leaves_it(
+    tiny_tok: ModelTokenizer,
+) -> None:
+    """A request without stop strings sends its tokens' text at once: unsent characters a
+    state carries go first, sent ones are dropped, and the next state's tail is empty."""
+    ids = tiny_tok.encode(" world", add_special_tokens=False)
+    base = {"role_sent": True, "detok_ids": [], "detok_prefix": 0}
+    text, state = _stream_text(tiny_tok, ids, base | {"stop_tail": "abc", "unsent_chars": 2})
+    assert (text, state["stop_tail"], state["unsent_chars"]) == ("bc world", "", 0)
+    text, state = _stream_text(tiny_tok, ids, base | {"stop_tail": "abc", "unsent_chars": 0})
+    assert (text, state["stop_tail"], state["unsent_chars"]) == (" world", "", 0)
