@@ -185,7 +185,8 @@ def _assembled(raw: bytes) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
+    ("transport", "derender_args"),
+    [("zmq", ("--zmq-port", "0")), ("batched", ()), ("batched-zmq", ("--zmq-port", "0"))],
 )
 def test_every_derender_transport_gives_the_same_answers(
     fleet: Fleet,
