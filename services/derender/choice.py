@@ -6,7 +6,7 @@ reasons. Its whole memory is a `ChoiceState`, which round-trips through `Derende
 so that any replica can take the next chunk. Non-streaming is one `feed(..., final=True)`.
 
 The values here are msgspec Structs rather than dataclasses: a stream builds each of them once
-per chunk, and a Struct is built in C (a frozen dataclass costs over a microsecond).
+per chunk, and a Struct is built in C (the frozen ChoiceOptions dataclass took ~0.8 us to build).
 """
 
 from __future__ import annotations
