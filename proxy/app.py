@@ -25,7 +25,7 @@ from aiohttp.client_middlewares import ClientHandlerType, ClientMiddlewareType
 from yarl import URL
 
 from tokenline.proxy.admission import Admission
-from tokenline.proxy.channel import ZmqBatchedDerender, ZmqDerender
+from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
@@ -119,8 +119,6 @@ def derender_transport(
 ) -> DerenderTransport:
     if config.derender_transport == "batched":
         return BatchedDerender(session, pool, policy, metrics, wait=config.derender_batch_wait)
-    if config.derender_transport == "batched-zmq":
-        return ZmqBatchedDerender(session, pool, policy, metrics, wait=config.derender_batch_wait)
     if config.derender_transport == "zmq":
         return ZmqDerender(session, pool, policy, metrics)
     return HttpDerender(session, pool, policy, metrics)

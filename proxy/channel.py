@@ -1,11 +1,5 @@
-"""The ZMQ derender transports: one DEALER socket per derender replica (`ZmqChannel`), calls
-multiplexed by id, replies routed back to their waiting callers.
-
-* `ZmqDerender` (`--derender-transport zmq`): each chunk one msgpack call.
-* `ZmqBatchedDerender` (`--derender-transport batched-zmq`): `BatchedDerender`'s batches, the
-  same JSON bodies as its HTTP route, each one call: no HTTP request to build, parse and answer
-  per batch on either side.
-"""
+"""The ZMQ derender transport: one DEALER socket per derender replica, calls multiplexed by id,
+replies routed back to their waiting callers. Chosen with `--derender-transport zmq`."""
 
 from __future__ import annotations
 
@@ -15,16 +9,14 @@ import itertools
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
 
 from tokenline.proxy.flow import StreamAnswer, StreamCall
-from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas
-from tokenline.proxy.transport import BatchedDerender, HttpDerender, readable
+from tokenline.proxy.pool import Worker
+from tokenline.proxy.retry import on_replicas
+from tokenline.proxy.transport import HttpDerender, readable
 from tokenline.proxy.upstream import rejected_or_failed
 from tokenline.shared.errors import (
     ServiceError,
@@ -32,7 +24,6 @@ from tokenline.shared.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import JSON
 from tokenline.shared.zmq import MSGPACK, REPLY, Call
 
@@ -61,33 +52,27 @@ class Connection:
 
 
 @dataclass
-class ZmqChannel:
-    """The DEALER sockets to derender's replicas (their owner): a call goes to a healthy
-    replica, another one on that replica's failure (`on_replicas`), whose socket is dropped."""
-
-    session: aiohttp.ClientSession
-    pool: Pool
-    policy: RetryPolicy
-    metrics: ProxyMetrics
+class ZmqDerender(HttpDerender):
     context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
     connections: dict[str, Connection] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
     opening: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    async def call(self, kind: Kind, body: bytes, batch: bool = False) -> bytes:
-        """The reply body of one call; an error reply raises (a 4xx as the request's own)."""
+    async def stream(self, call: StreamCall) -> StreamAnswer:
+        body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client, True)))
 
         async def once(worker: Worker) -> bytes:
             try:
                 with self.pool.lease(worker):
-                    return await self._call_once(worker, Call(0, kind.name, body, batch))
+                    return await self._call_once(worker, call, body)
             except UpstreamRejected:
                 raise
             except ServiceError:
                 await self._drop(worker)
                 raise
 
-        return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
+        data = await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
+        return readable(call.kind.stream_answer_msgpack, data)
 
     async def _connection(self, worker: Worker) -> Connection:
         if (conn := self.connections.get(worker.url)) is not None:
@@ -111,20 +96,20 @@ class ZmqChannel:
         self.connections[worker.url] = conn
         return conn
 
-    async def _call_once(self, worker: Worker, call: Call) -> bytes:
+    async def _call_once(self, worker: Worker, call: StreamCall, body: bytes) -> bytes:
         conn = await self._connection(worker)
-        call = msgspec.structs.replace(call, id=next(self.ids))
+        call_id = next(self.ids)
         future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-        conn.pending[call.id] = future
+        conn.pending[call_id] = future
         try:
-            await conn.sock.send(MSGPACK.encode(call))
+            await conn.sock.send(MSGPACK.encode(Call(call_id, call.kind.name, body)))
             status, data = await asyncio.wait_for(future, CALL_TIMEOUT)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"derender {worker.url} (zmq) timed out") from exc
         finally:
-            conn.pending.pop(call.id, None)
+            conn.pending.pop(call_id, None)
         if status >= 400:
-            envelope = data if call.batch else JSON.encode(msgspec.msgpack.decode(data))
+            envelope = JSON.encode(msgspec.msgpack.decode(data))
             raise rejected_or_failed("derender", worker, status, envelope)
         return data
 
@@ -137,37 +122,3 @@ class ZmqChannel:
         for url in list(self.connections):
             await self.connections.pop(url).close()
         self.context.term()
-
-
-@dataclass
-class ZmqDerender(HttpDerender):
-    """Each stream chunk one msgpack call (whole answers stay on HTTP)."""
-
-    channel: ZmqChannel = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.channel = ZmqChannel(self.session, self.pool, self.policy, self.metrics)
-
-    async def stream(self, call: StreamCall) -> StreamAnswer:
-        body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client, True)))
-        return readable(call.kind.stream_answer_msgpack, await self.channel.call(call.kind, body))
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-@dataclass
-class ZmqBatchedDerender(BatchedDerender):
-    """`BatchedDerender` whose batches go over the channel (whole answers stay on HTTP)."""
-
-    channel: ZmqChannel = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.channel = ZmqChannel(self.session, self.pool, self.policy, self.metrics)
-
-    async def carry(self, kind: Kind, body: bytes) -> bytes:
-        return await self.channel.call(kind, body, batch=True)
-
-    async def close(self) -> None:
-        await super().close()
-        await self.channel.close()

@@ -39,11 +39,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     generate_api_key: str | None = None
     """Sent as `Authorization: Bearer <key>` on every call to a generate replica (vLLM's
     `--api-key` / VLLM_API_KEY); render and derender never see it."""
-    derender_transport: Literal["http", "zmq", "batched", "batched-zmq"] = "http"
+    derender_transport: Literal["http", "zmq", "batched"] = "http"
     """How stream chunks reach derender: http (vLLM's routes, one call per chunk), zmq (the
-    address derender advertises at /v1/zmq), batched (the chunks of every stream in one call
-    per derender replica, `derender_batch_wait`; tokenline's derender only) or batched-zmq
-    (those batches over the ZMQ channel: derender started with --zmq-port)."""
+    address derender advertises at /v1/zmq) or batched (the chunks of every stream in one call
+    per derender replica, `derender_batch_wait`; tokenline's derender only)."""
     derender_batch_wait: Seconds = 0.002
     """batched: longest a call waits for the chunks other streams get in the same engine step
     (a batch goes as soon as every stream's chunk is in)."""

@@ -3,8 +3,7 @@
 * `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
 * `ZmqDerender` (proxy/channel.py): msgpack calls over one DEALER socket per replica.
 * `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one POST per
-  derender replica (tokenline's `/derender/batch` routes; an item's error is that item's);
-  `ZmqBatchedDerender` (proxy/channel.py) carries the same batches over the ZMQ channel.
+  derender replica (tokenline's `/derender/batch` routes; an item's error is that item's).
 
 Whole (non-streaming) answers always go over HTTP. Every transport retries through
 `proxy.retry.on_replicas` (derender is pure: any replica may answer a call again).
@@ -144,10 +143,6 @@ class BatchedDerender(HttpDerender):
         elif self.flush is None:
             self.flush = loop.call_later(self.wait, self._flush)
 
-    async def carry(self, kind: Kind, body: bytes) -> bytes:
-        """One batch's answer from a replica: tokenline's batch route over HTTP."""
-        return await self.post(kind.batch_path, body, JSON_HEADERS)
-
     def _flush(self) -> None:
         self.flush = None
         waiting, self.waiting = self.waiting, {}
@@ -166,7 +161,7 @@ class BatchedDerender(HttpDerender):
         body = b'{"requests":[' + b",".join(items) + b"]}"
         self.answering += len(batch)
         try:
-            answers = readable(BATCH_ANSWER, await self.carry(kind, body))
+            answers = readable(BATCH_ANSWER, await self.post(kind.batch_path, body, JSON_HEADERS))
             if len(answers) != len(batch):
                 raise UpstreamError(
                     f"derender answered {len(answers)} items to a batch of {len(batch)}"

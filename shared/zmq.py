@@ -3,11 +3,6 @@
 A call is `[id, kind, body]` where `body` is the msgpack of vLLM's derender request (chat or
 completion, `kind` says which); a reply is `[id, status, body]` with the msgpack of the response
 or of the error envelope. Ids let one DEALER socket carry many calls at once.
-
-A batch call, `[id, kind, body, true]`, carries the JSON body of `kind`'s batch route and is
-answered with that route's JSON (items answered in order, each its answer or its own error
-envelope; an error of the whole call is a JSON envelope): the proxy sends the client's request
-and derender's answers on as bytes, so JSON spares re-encoding them.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ class Call(msgspec.Struct, array_like=True):
     id: int
     kind: KindName
     body: bytes
-    batch: bool = False
 
 
 class Reply(msgspec.Struct, array_like=True):

@@ -33,7 +33,6 @@ from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     DERENDER_BATCH,
     DETOKENIZE_REQUEST,
-    JSON,
     DerenderChatRequest,
     DerenderCompletionRequest,
 )
@@ -122,11 +121,6 @@ async def _channel_handle(app: web.Application, kind: Kind, req: DerenderRequest
     return await _one(app[STATE], kind, req)
 
 
-async def _channel_batch(app: web.Application, kind: Kind, body: bytes) -> bytes:
-    """A batch call over the channel: the batch route's body in, its answer out."""
-    return JSON.encode(await _batch_answers(app[STATE], kind, _batch_items(kind, body)))
-
-
 BATCH_ITEMS = msgspec.Meta(min_length=1, max_length=DERENDER_BATCH_ITEMS)
 
 
@@ -206,9 +200,7 @@ def make_app(config: DerenderConfig) -> web.Application:
     app[CONFIG], app[METRICS] = config, metrics
     app.cleanup_ctx.append(state_ctx)
     if config.zmq_port is not None:
-        app.cleanup_ctx.append(
-            channel_ctx(config.host, config.zmq_port, _channel_handle, _channel_batch)
-        )
+        app.cleanup_ctx.append(channel_ctx(config.host, config.zmq_port, _channel_handle))
         app.router.add_get("/v1/zmq", endpoint)
     for kind in KINDS.values():
         single, batch = _handlers(kind)

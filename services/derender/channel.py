@@ -4,9 +4,6 @@ A tokenline proxy started with `--derender-transport zmq` keeps one DEALER socke
 replica and sends every chunk over it; the HTTP routes stay for vLLM-compatible callers. The
 endpoint is advertised at `GET /v1/zmq`.
 
-A batch call (`Call.batch`, the proxy's `--derender-transport batched-zmq`) carries the JSON body
-of a kind's batch route and is answered with that route's JSON, by the same function.
-
 Every error of a call becomes that call's error reply (`as_service_error`, as over HTTP), and a
 frame that is no call is dropped: only cancellation ends the server loop.
 """
@@ -26,29 +23,23 @@ from aiohttp import web
 
 from tokenline.shared.errors import as_service_error
 from tokenline.shared.kinds import KINDS, Kind
-from tokenline.shared.wire import JSON
 from tokenline.shared.zmq import CALL, MSGPACK, Call, Reply
 
 log = logging.getLogger(__name__)
 ENDPOINT = web.AppKey("derender_zmq_endpoint", str)
 Handle = Callable[[Kind, Any], Awaitable[Any]]
 """Answers one decoded derender request of a kind (what the HTTP route would answer)."""
-HandleBatch = Callable[[Kind, bytes], Awaitable[bytes]]
-"""Answers a kind's batch body (JSON) with the batch route's JSON answer."""
 
 
-async def answer(call: Call, handle: Handle, handle_batch: HandleBatch) -> Reply:
+async def answer(call: Call, handle: Handle) -> Reply:
     """The reply to one call: the answer, or the error envelope with its status."""
     try:
         kind = KINDS[call.kind]
-        if call.batch:
-            return Reply(call.id, 200, await handle_batch(kind, call.body))
         body = MSGPACK.encode(await handle(kind, kind.derender_msgpack.decode(call.body)))
         return Reply(call.id, 200, body)
     except Exception as exc:
         err = as_service_error(exc)
-    envelope = JSON.encode(err.to_wire()) if call.batch else MSGPACK.encode(err.to_wire())
-    return Reply(call.id, err.status, envelope)
+    return Reply(call.id, err.status, MSGPACK.encode(err.to_wire()))
 
 
 def _call(frames: list[bytes]) -> tuple[bytes, Call] | None:
@@ -61,7 +52,7 @@ def _call(frames: list[bytes]) -> tuple[bytes, Call] | None:
         return None
 
 
-async def serve(sock: zmq.asyncio.Socket, handle: Handle, handle_batch: HandleBatch) -> None:
+async def serve(sock: zmq.asyncio.Socket, handle: Handle) -> None:
     while True:
         frames = await sock.recv_multipart()
         found = _call(frames)
@@ -69,7 +60,7 @@ async def serve(sock: zmq.asyncio.Socket, handle: Handle, handle_batch: HandleBa
             log.warning("zmq.bad_frame from %r", frames[0] if frames else None)
             continue
         ident, call = found
-        reply = await answer(call, handle, handle_batch)
+        reply = await answer(call, handle)
         await sock.send_multipart([ident, MSGPACK.encode(reply)])
 
 
@@ -79,10 +70,7 @@ def _ended(task: asyncio.Task[None]) -> None:
 
 
 def channel_ctx(
-    host: str,
-    port: int,
-    handle: Callable[[web.Application, Kind, Any], Awaitable[Any]],
-    handle_batch: Callable[[web.Application, Kind, bytes], Awaitable[bytes]],
+    host: str, port: int, handle: Callable[[web.Application, Kind, Any], Awaitable[Any]]
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     """A cleanup_ctx that binds the ROUTER socket and runs the server loop."""
 
@@ -93,13 +81,7 @@ def channel_ctx(
         if port:
             sock.bind(f"tcp://{host}:{port}")
         app[ENDPOINT] = f"tcp://{host}:{bound}"
-        task = asyncio.create_task(
-            serve(
-                sock,
-                lambda kind, req: handle(app, kind, req),
-                lambda kind, body: handle_batch(app, kind, body),
-            )
-        )
+        task = asyncio.create_task(serve(sock, lambda kind, req: handle(app, kind, req)))
         task.add_done_callback(_ended)
         yield
         task.cancel()

@@ -281,8 +281,7 @@ def test_echo_and_prompt_logprobs_through_prefill_and_decode(
 
 
 @pytest.mark.parametrize(
-    ("transport", "derender_args"),
-    [("zmq", ("--zmq-port", "0")), ("batched", ()), ("batched-zmq", ("--zmq-port", "0"))],
+    ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
 )
 def test_echo_over_every_derender_transport(
     fleet: Fleet,

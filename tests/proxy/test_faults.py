@@ -185,8 +185,7 @@ def _assembled(raw: bytes) -> dict[str, object]:
 
 
 @pytest.mark.parametrize(
-    ("transport", "derender_args"),
-    [("zmq", ("--zmq-port", "0")), ("batched", ()), ("batched-zmq", ("--zmq-port", "0"))],
+    ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
 )
 def test_every_derender_transport_gives_the_same_answers(
     fleet: Fleet,

@@ -1,6 +1,5 @@
-"""The derender transports' own behaviour against small real aiohttp (and ZMQ) servers:
-batching per event-loop turn, one batch per replica, an item's error that item's alone,
-retries."""
+"""The derender transports' own behaviour against small real aiohttp servers: batching per
+event-loop turn, one batch per replica, an item's error that item's alone, retries."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tokenline.proxy.channel import ZmqBatchedDerender
+from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.flow import StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool
@@ -27,7 +26,6 @@ from tokenline.shared.errors import UpstreamError, UpstreamRejected
 from tokenline.shared.kinds import CHAT, Kind
 from tokenline.shared.wire import (
     CHAT_REQUEST,
-    JSON,
     GenerateStreamChoice,
     GenerateStreamChunk,
 )
@@ -58,30 +56,14 @@ def answer_for(item: dict[str, object]) -> dict[str, object]:
 
 
 class FakeDerender:
-    def __init__(self, fail: bool = False, hang: bool = False, zmq: bool = False) -> None:
+    def __init__(self, fail: bool = False, hang: bool = False) -> None:
         self.hang = hang
         self.batches: list[int] = []
-        self.zmq_batches: list[int] = []
         self.singles: list[bytes] = []
         self.fail = fail
         self.app = web.Application()
         self.app.router.add_post(CHAT.batch_path, self.batch)
         self.app.router.add_post(CHAT.derender_path, self.single)
-        if zmq:
-            self.app.cleanup_ctx.append(
-                channel_ctx("127.0.0.1", 0, self.zmq_single, self.zmq_batch)
-            )
-            self.app.router.add_get("/v1/zmq", endpoint)
-
-    async def zmq_single(self, app: web.Application, kind: Kind, req: Any) -> Any:
-        raise AssertionError("a batched transport sent a single call")
-
-    async def zmq_batch(self, app: web.Application, kind: Kind, body: bytes) -> bytes:
-        if self.fail:
-            raise RuntimeError("down")
-        items = json.loads(body)["requests"]
-        self.zmq_batches.append(len(items))
-        return JSON.encode([answer_for(i) for i in items])
 
     async def batch(self, request: web.Request) -> web.Response:
         if self.fail:
@@ -262,39 +244,26 @@ def _content(answer: Any) -> str | None:
     return content
 
 
-async def test_batches_over_zmq_answer_as_over_http(session: aiohttp.ClientSession) -> None:
-    """The same batches (one per replica, an item's error its own) over the ZMQ channel, none
-    over HTTP."""
-    fakes = [FakeDerender(zmq=True), FakeDerender(zmq=True)]
-    pool, servers = await serve(fakes)
-    transport = ZmqBatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
-    try:
-        results = await asyncio.gather(
-            *(transport.stream(call(t)) for t in (*range(9), 666)), return_exceptions=True
-        )
-        assert [_content(r) for r in results[:9]] == [str(t) for t in range(9)]
-        assert isinstance(results[9], UpstreamRejected) and results[9].status == 400
-        assert sorted(fakes[0].zmq_batches + fakes[1].zmq_batches) == [5, 5]
-        assert fakes[0].batches == fakes[1].batches == []
-        assert pool.healthy() == pool.workers
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
+async def test_first_zmq_calls_at_once_share_one_socket(session: aiohttp.ClientSession) -> None:
+    """Calls that find no socket to a replica yet wait for the one opened first: each opened
+    its own before, the last replaced the others and they leaked (`close` then hung)."""
+    app = web.Application()
 
+    async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
+        token = req.generate_chunk.choices[0].token_ids[0]
+        return answer_for({"generate_chunk": {"choices": [{"token_ids": [token]}]}})
 
-async def test_a_replica_without_a_channel_is_passed_over(
-    session: aiohttp.ClientSession,
-) -> None:
-    """A replica started without --zmq-port cannot take batched-zmq calls: another does."""
-    broken, fine = FakeDerender(), FakeDerender(zmq=True)
-    pool, servers = await serve([broken, fine])
-    transport = ZmqBatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    app.cleanup_ctx.append(channel_ctx("127.0.0.1", 0, handle))
+    app.router.add_get("/v1/zmq", endpoint)
+    server = TestServer(app)
+    await server.start_server()
+    pool = Pool("derender", (str(server.make_url("")).rstrip("/"),))
+    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS)
     try:
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
-        assert sorted(_content(a) or "" for a in answers) == ["0", "1", "2", "3"]
-        assert sum(fine.zmq_batches) == 4 and broken.batches == []
+        assert [_content(a) for a in answers] == ["0", "1", "2", "3"]
+        assert len(transport.connections) == 1
+        assert len(transport.context._sockets) == 1  # type: ignore[attr-defined]
     finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
+        await asyncio.wait_for(transport.close(), 5)
+        await server.close()

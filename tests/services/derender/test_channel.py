@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from tokenline.services.derender.channel import serve
 from tokenline.shared.kinds import Kind
-from tokenline.shared.wire import JSON, ErrorEnvelope
+from tokenline.shared.wire import ErrorEnvelope
 from tokenline.shared.zmq import MSGPACK, REPLY, Call, Reply
 
 ERROR_MSGPACK = msgspec.msgpack.Decoder(ErrorEnvelope)
@@ -30,11 +30,6 @@ async def _handle(kind: Kind, req: Any) -> Any:
     return {"kind": kind.name, "model": req.model}
 
 
-async def _handle_batch(kind: Kind, body: bytes) -> bytes:
-    """A batch handler stand-in: echoes a JSON body, fails on anything else."""
-    return JSON.encode({"kind": kind.name, "batch": msgspec.json.decode(body)})
-
-
 @pytest.fixture
 async def channel() -> AsyncIterator[tuple[zmq.asyncio.Socket, asyncio.Task[None]]]:
     context = zmq.asyncio.Context()
@@ -42,7 +37,7 @@ async def channel() -> AsyncIterator[tuple[zmq.asyncio.Socket, asyncio.Task[None
     port = router.bind_to_random_port("tcp://127.0.0.1")
     dealer = context.socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{port}")
-    task = asyncio.create_task(serve(router, _handle, _handle_batch))
+    task = asyncio.create_task(serve(router, _handle))
     yield dealer, task
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -100,20 +95,3 @@ async def test_cancellation_stops_the_loop(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-
-
-async def test_a_batch_call_is_json_in_and_out(
-    channel: tuple[zmq.asyncio.Socket, asyncio.Task[None]],
-) -> None:
-    """A batch call gets the batch handler's JSON; its failure is a JSON envelope (the batch
-    route's error), never msgpack, and the loop serves on."""
-    dealer, task = channel
-    reply = await _call(dealer, Call(4, "chat", b'{"requests": []}', batch=True))
-    assert (reply.id, reply.status) == (4, 200)
-    assert msgspec.json.decode(reply.body) == {"kind": "chat", "batch": {"requests": []}}
-    reply = await _call(dealer, Call(5, "chat", b"not json", batch=True))
-    error = msgspec.json.decode(reply.body, type=ErrorEnvelope).error
-    assert (reply.id, reply.status, error.code) == (5, 400, 400)
-    reply = await _call(dealer, Call(6, "chat", _body(model="ok")))
-    assert (reply.id, reply.status) == (6, 200)
-    assert not task.done()
