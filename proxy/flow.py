@@ -362,8 +362,6 @@ class ChoiceProgress:
     unsent_tokens: int = 0
     """Tokens counted since the last chunk sent for this choice (per-token ITL)."""
     finished: bool = False
-    stopped_early: bool = False
-    """A stop string ended it before the engine did: the engine request must be aborted."""
     generated: list[int] = field(default_factory=list)
     """The engine's output so far: what a migration continues from (`proxy/migration.py`)."""
 
@@ -386,6 +384,9 @@ class StreamFlow:
     rendered: Rendered
     progress: dict[tuple[int, int], ChoiceProgress] = field(default_factory=dict)
     model: str = ""
+    stopped_early_prompts: set[int] = field(default_factory=set)
+    """Prompts with a choice a stop string ended before the engine did (its engine run must be
+    aborted); a set, because every read of a stream asks."""
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
     """Per prompt, when its echo shows them (`needs_prompt_logprobs`): put on the first chunk
     of each of its choices (`GenerateStreamChunk.prompt_logprobs`)."""
@@ -464,7 +465,8 @@ class StreamFlow:
         prog.reasoning_tokens = counts.reasoning_tokens
         if answer.stop_match is not None or choice.finish_reason is not None:
             prog.finished = True
-            prog.stopped_early = answer.stop_match is not None and choice.finish_reason is None
+            if answer.stop_match is not None and choice.finish_reason is None:
+                self.stopped_early_prompts.add(p)
         head = CHUNK_HEAD.decode(answer.chunk) if raw else answer.chunk
         self.model = head.model
         if not head.choices:
@@ -492,7 +494,7 @@ class StreamFlow:
         return all(s is not None and s.finished for s in states)
 
     def stopped_early(self, p: int) -> bool:
-        return any(s.stopped_early for (q, _), s in self.progress.items() if q == p)
+        return p in self.stopped_early_prompts
 
     def usage(
         self, p: int | None, completion: int, choices: Iterable[ChoiceProgress] = ()

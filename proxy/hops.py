@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,7 +20,7 @@ import aiohttp
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool, Pools, Worker
+from tokenline.proxy.pool import Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
 from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
@@ -167,7 +167,7 @@ class Hops:
         source = stream_payloads(
             self.session, pool, worker, body, headers.generate(gen), self.timeouts.generate_stream
         )
-        return worker, _reported(pool, worker, source)
+        return worker, source
 
     async def behind_prefill(
         self,
@@ -236,15 +236,6 @@ class Hops:
         """Give pending aborts a moment to go out (at shutdown)."""
         if self.background:
             await asyncio.wait(list(self.background), timeout=ABORT_GRACE)
-
-
-async def _reported(
-    pool: Pool, worker: Worker, source: AsyncIterator[list[bytes]]
-) -> AsyncGenerator[list[bytes], None]:
-    """`source`, its outcome reported to the pool (a stream left early reports nothing)."""
-    with reported(pool, worker):
-        async for payloads in source:
-            yield payloads
 
 
 def _own_fault(exc: ServiceError) -> bool:

@@ -211,7 +211,7 @@ class Streaming:
                         ready.append(answer)
                 if ready:
                     await self.out(ready)
-                if flow.prompt_done(p) and flow.stopped_early(p):
+                if flow.stopped_early(p) and flow.prompt_done(p):
                     break  # the engine is still generating: `_decode` aborts it
             # a finished stream is read to its end: its connection is then reused
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 
 import aiohttp
 import msgspec
 
 from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -114,14 +114,15 @@ async def stream_payloads(
     body: bytes,
     headers: Mapping[str, str],
     limits: aiohttp.ClientTimeout,
-) -> AsyncIterator[list[bytes]]:
+) -> AsyncGenerator[list[bytes], None]:
     """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
-    read together. Leaving early closes the connection, which aborts the request in vLLM.
+    read together, the outcome reported to the pool (a stream left early reports nothing).
+    Leaving early closes the connection, which aborts the request in vLLM.
 
     vLLM checks some inputs (a structured-output grammar) only once its 200 has gone out: an
     error event before any output is then that error's own status, as if it had been the
     answer (a 400 stays the request's fault, never the replica's)."""
-    with pool.lease(worker), translated(pool.role, worker):
+    with pool.lease(worker), reported(pool, worker), translated(pool.role, worker):
         async with session.post(
             worker.url + GENERATE_PATH, data=body, headers=headers, timeout=limits
         ) as resp:
