@@ -23,7 +23,14 @@ from tokenline.launch import servers
 from tokenline.launch.bench import cpu, double, lineup, pipeline
 from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
-from tokenline.launch.bench.load import EngineTarget, Spec, Target, closed_loop, request_mix
+from tokenline.launch.bench.load import (
+    EngineTarget,
+    Sample,
+    Spec,
+    Target,
+    closed_loop,
+    request_mix,
+)
 from tokenline.launch.bench.report import markdown, plots
 from tokenline.launch.process import Process
 from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
@@ -498,3 +505,38 @@ def test_everyone_is_asked_the_reference_stop_cases() -> None:
     assert set(answers["monolithic"]) == set(answers["tokenline"]) == set(mono.asked)
     assert set(answers["engine"]) == {c.name for c in ex.cases()}
     assert ex.judge(answers).matches("tokenline") == (6, 6)
+
+
+class _Quick(Target):
+    """Answers every request at once with two tokens."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def send(self, session: aiohttp.ClientSession, spec: Spec) -> Sample:
+        await asyncio.sleep(0.01)
+        return Sample(0.001, [0.001], 0.01, 2, True)
+
+
+def test_rounds_take_turns_and_add_up(monkeypatch: Any) -> None:
+    """A point in rounds is the targets' slices in turn (each round led by the next target),
+    summed into one point per target: requests, seconds and CPU over every slice."""
+    slices: list[tuple[str, float]] = []
+    one_slice = pipeline._slice
+
+    def recorded(running: lineup.Running, *args: Any) -> Any:
+        slices.append((running.target.name, round(args[-1], 6)))
+        return one_slice(running, *args)
+
+    monkeypatch.setattr(pipeline, "_slice", recorded)
+    running = [lineup.Running(_Quick(n), [], None) for n in ("a", "b")]
+    args = argparse.Namespace(rounds=3, duration=0.6, rate=None, concurrency=[2])
+    points = pipeline.measure(running, [Spec("chat", {})], args)
+    assert slices == [(n, 0.2) for n in ("a", "b", "b", "a", "a", "b")]
+    assert [p["target"] for p in points] == ["a", "b"]
+    for p in points:
+        # ~2 requests per 10 ms over 0.6 s: every slice counted, not the last one alone
+        assert 60 < p["output_tokens"] / 2 <= 130
+        assert p["output_tokens_per_s"] == 2 * p["requests_per_s"]
+    split = cpu.Split(1.0, 2.0, (("proxy", 0.5),)) + cpu.Split(0.5, 0.5, (("proxy", 0.25),))
+    assert split == cpu.Split(1.5, 2.5, (("proxy", 0.75),))

@@ -31,6 +31,12 @@ class Split:
     def front(self) -> float:
         return sum(s for _, s in self.parts)
 
+    def __add__(self, other: Split) -> Split:
+        total = dict(self.parts)
+        for name, s in other.parts:
+            total[name] = total.get(name, 0.0) + s
+        return Split(self.server + other.server, self.core + other.core, tuple(total.items()))
+
     def __sub__(self, other: Split) -> Split:
         before = dict(other.parts)
         parts = tuple((name, s - before.get(name, 0.0)) for name, s in self.parts)

@@ -121,10 +121,10 @@ def _loads(args: argparse.Namespace) -> list[tuple[str, float]]:
     return [("c", c) for c in args.concurrency]
 
 
-def _point(
+def _slice(
     running: lineup.Running, mix: list[Spec], mode: str, level: float, duration: float
-) -> dict[str, Any]:
-    """One target at one load level: latency and throughput, and CPU per token by part."""
+) -> tuple[Point, cpu.Split]:
+    """One target at one load level for `duration` seconds, and the CPU its parts used."""
     label = f"{running.target.name} {mode}={level:g}"
     before = cpu.sample(running.front, running.server)
     point: Point
@@ -133,7 +133,16 @@ def _point(
         point.concurrency = int(level)
     else:
         point = asyncio.run(closed_loop(running.target, mix, int(level), duration, label))
-    used = cpu.sample(running.front, running.server) - before
+    return point, cpu.sample(running.front, running.server) - before
+
+
+def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> dict[str, Any]:
+    """A target's slices at one load level as one point: latency and throughput over all of
+    their requests and seconds, and CPU per token by part."""
+    first = slices[0][0]
+    point = Point(first.target, first.concurrency, sum(p.seconds for p, _ in slices))
+    point.samples = [s for p, _ in slices for s in p.samples]
+    used = sum((u for _, u in slices), start=cpu.Split())
     summary = point.summary()
     tokens = int(summary["output_tokens"])
     return {
@@ -147,11 +156,22 @@ def _point(
 def measure(
     running: list[lineup.Running], mix: list[Spec], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
+    """Each target at each load level, in `args.rounds` slices taken in turn (each round
+    starting with the next target): a noisy neighbour then slows every target alike instead
+    of the one that happened to run during it."""
     for r in running:  # warm up (vLLM's first logprobs request is slow)
         asyncio.run(closed_loop(r.target, mix[:4], 2, 3, f"warm-up {r.target.name}"))
-    return [
-        _point(r, mix, mode, level, args.duration) for mode, level in _loads(args) for r in running
-    ]
+    points = []
+    for mode, level in _loads(args):
+        slices: dict[str, list[tuple[Point, cpu.Split]]] = {r.target.name: [] for r in running}
+        for k in range(args.rounds):
+            shift = k % len(running)
+            for r in running[shift:] + running[:shift]:
+                slices[r.target.name].append(
+                    _slice(r, mix, mode, level, args.duration / args.rounds)
+                )
+        points += [_point(r, slices[r.target.name]) for r in running]
+    return points
 
 
 async def _answers(
@@ -200,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mode": "double" if args.double else "vllm",
         "load": _loads(args)[0][0],
         "duration_s": args.duration,
+        "rounds": args.rounds,
         "requests_in_mix": len(mix),
         "chat_share": args.chat_share,
         "logprobs_share": args.logprobs_share,
@@ -226,7 +247,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="open-loop request rates instead of closed-loop concurrency",
     )
-    parser.add_argument("--duration", type=float, default=20)
+    parser.add_argument("--duration", type=float, default=20, help="seconds per point")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="split each point's duration into this many slices, the targets taking turns",
+    )
     parser.add_argument("--requests", type=int, default=64, help="size of the seeded mix")
     parser.add_argument(
         "--chat-share", type=float, default=0.7, help="share of chat requests (else completions)"
@@ -265,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenline bench", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     # SIGTERM as an exception, so the servers this run started are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)

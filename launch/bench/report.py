@@ -120,7 +120,12 @@ def markdown(result: dict[str, Any]) -> str:
     targets = targets_of(result)
     head = "concurrency" if result["load"] == "c" else "rate (req/s)"
     how = "one group after another" if result.get("sequential") else "all up at once"
-    lines = [f"### {result['mode']} run, {result['duration_s']:.0f} s per point ({how})", ""]
+    rounds = result.get("rounds", 1)
+    turns = f" in {rounds} turns per target" if rounds > 1 else ""
+    lines = [
+        f"### {result['mode']} run, {result['duration_s']:.0f} s per point{turns} ({how})",
+        "",
+    ]
     if "chat_share" in result:
         lines += [
             f"Mix: {result['requests_in_mix']} seeded streaming requests, "
