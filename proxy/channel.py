@@ -56,7 +56,7 @@ class ZmqDerender(HttpDerender):
     context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
     connections: dict[str, Connection] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
-    opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    opening: dict[str, asyncio.Lock] = field(default_factory=dict)
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
         body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client, True)))
@@ -77,7 +77,9 @@ class ZmqDerender(HttpDerender):
     async def _connection(self, worker: Worker) -> Connection:
         if (conn := self.connections.get(worker.url)) is not None:
             return conn
-        async with self.opening:  # calls that find no socket yet share the one opened first
+        # calls that find no socket yet share the one opened first (each replica on its own:
+        # one slow to answer /v1/zmq holds up no other)
+        async with self.opening.setdefault(worker.url, asyncio.Lock()):
             if (conn := self.connections.get(worker.url)) is not None:
                 return conn
             return await self._open(worker)

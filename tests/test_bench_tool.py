@@ -507,36 +507,28 @@ def test_everyone_is_asked_the_reference_stop_cases() -> None:
     assert ex.judge(answers).matches("tokenline") == (6, 6)
 
 
-class _Quick(Target):
-    """Answers every request at once with two tokens."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    async def send(self, session: aiohttp.ClientSession, spec: Spec) -> Sample:
-        await asyncio.sleep(0.01)
-        return Sample(0.001, [0.001], 0.01, 2, True)
-
-
 def test_rounds_take_turns_and_add_up(monkeypatch: Any) -> None:
     """A point in rounds is the targets' slices in turn (each round led by the next target),
-    summed into one point per target: requests, seconds and CPU over every slice."""
-    slices: list[tuple[str, float]] = []
-    one_slice = pipeline._slice
+    each going on through the mix where the target's last one stopped, summed into one point
+    per target: requests, seconds and CPU over every slice."""
+    calls: list[tuple[str, float, int]] = []
 
-    def recorded(running: lineup.Running, *args: Any) -> Any:
-        slices.append((running.target.name, round(args[-1], 6)))
-        return one_slice(running, *args)
+    async def slice_of(
+        target: Target, mix: list[Spec], c: int, duration: float, label: str, first: int = 0
+    ) -> Any:
+        calls.append((target.name, round(duration, 6), first))
+        k = 3 if target.name == "a" else 5
+        return pipeline.Point(target.name, c, duration, [Sample(0.1, [0.01], 0.2, 2, True)] * k)
 
-    monkeypatch.setattr(pipeline, "_slice", recorded)
-    running = [lineup.Running(_Quick(n), [], None) for n in ("a", "b")]
+    monkeypatch.setattr(pipeline, "closed_loop", slice_of)
+    running = [lineup.Running(_Echo(n), [], None) for n in ("a", "b")]
     args = argparse.Namespace(rounds=3, duration=0.6, rate=None, concurrency=[2])
     points = pipeline.measure(running, [Spec("chat", {})], args)
-    assert slices == [(n, 0.2) for n in ("a", "b", "b", "a", "a", "b")]
-    assert [p["target"] for p in points] == ["a", "b"]
-    for p in points:
-        # ~2 requests per 10 ms over 0.6 s: every slice counted, not the last one alone
-        assert 60 < p["output_tokens"] / 2 <= 130
-        assert p["output_tokens_per_s"] == 2 * p["requests_per_s"]
+    warm_ups = [("a", 3, 0), ("b", 3, 0)]
+    slices = [("a", 0.2, 0), ("b", 0.2, 0), ("b", 0.2, 5), ("a", 0.2, 3), ("a", 0.2, 6)]
+    assert calls == warm_ups + slices + [("b", 0.2, 10)]
+    a, b = points
+    assert (a["target"], a["output_tokens"], a["requests_per_s"]) == ("a", 18, 9 / 0.6)
+    assert (b["target"], b["output_tokens"], b["requests_per_s"]) == ("b", 30, 15 / 0.6)
     split = cpu.Split(1.0, 2.0, (("proxy", 0.5),)) + cpu.Split(0.5, 0.5, (("proxy", 0.25),))
     assert split == cpu.Split(1.5, 2.5, (("proxy", 0.75),))

@@ -213,11 +213,18 @@ class EngineTarget(Target):
 
 
 async def closed_loop(
-    target: Target, mix: list[Spec], concurrency: int, duration: float, progress: str
+    target: Target,
+    mix: list[Spec],
+    concurrency: int,
+    duration: float,
+    progress: str,
+    first: int = 0,
 ) -> Point:
+    """`concurrency` workers sending the mix in turn from its `first` request on (a later
+    slice of one point goes on where the last one stopped) for `duration` seconds."""
     point = Point(target.name, concurrency, duration)
     deadline = time.perf_counter() + duration
-    counter = iter(range(10**9))
+    counter = iter(range(first, 10**9))
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while time.perf_counter() < deadline:
@@ -240,23 +247,24 @@ async def closed_loop(
 
 
 async def open_loop(
-    target: Target, mix: list[Spec], rate: float, duration: float, progress: str
+    target: Target, mix: list[Spec], rate: float, duration: float, progress: str, first: int = 0
 ) -> Point:
-    """Poisson arrivals at `rate` requests/s for `duration` seconds (concurrency unbounded)."""
+    """Poisson arrivals at `rate` requests/s for `duration` seconds (concurrency unbounded),
+    the mix from its `first` request on."""
     point = Point(target.name, 0, duration)
-    rng = random.Random(1)
+    rng = random.Random(1 + first)
     tasks = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
     ) as session:
         start = time.perf_counter()
-        i = 0
+        i = first
         while time.perf_counter() - start < duration:
             tasks.append(asyncio.create_task(target.send(session, mix[i % len(mix)])))
             i += 1
             await asyncio.sleep(rng.expovariate(rate))
-            _progress(progress, start + duration, duration, i)
+            _progress(progress, start + duration, duration, i - first)
         point.samples = list(await asyncio.gather(*tasks))
         point.seconds = time.perf_counter() - start
     print(file=sys.stderr)

@@ -122,17 +122,24 @@ def _loads(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 
 def _slice(
-    running: lineup.Running, mix: list[Spec], mode: str, level: float, duration: float
+    running: lineup.Running,
+    mix: list[Spec],
+    mode: str,
+    level: float,
+    duration: float,
+    first: int = 0,
 ) -> tuple[Point, cpu.Split]:
-    """One target at one load level for `duration` seconds, and the CPU its parts used."""
+    """One target at one load level for `duration` seconds, sending the mix from its `first`
+    request on, and the CPU its parts used."""
     label = f"{running.target.name} {mode}={level:g}"
+    target = running.target
     before = cpu.sample(running.front, running.server)
     point: Point
     if mode == "rate":
-        point = asyncio.run(open_loop(running.target, mix, level, duration, label))
+        point = asyncio.run(open_loop(target, mix, level, duration, label, first))
         point.concurrency = int(level)
     else:
-        point = asyncio.run(closed_loop(running.target, mix, int(level), duration, label))
+        point = asyncio.run(closed_loop(target, mix, int(level), duration, label, first))
     return point, cpu.sample(running.front, running.server) - before
 
 
@@ -158,7 +165,8 @@ def measure(
 ) -> list[dict[str, Any]]:
     """Each target at each load level, in `args.rounds` slices taken in turn (each round
     starting with the next target): a noisy neighbour then slows every target alike instead
-    of the one that happened to run during it."""
+    of the one that happened to run during it. Each slice starts with its own ramp-up and
+    ends with its requests in flight: keep slices many requests long."""
     for r in running:  # warm up (vLLM's first logprobs request is slow)
         asyncio.run(closed_loop(r.target, mix[:4], 2, 3, f"warm-up {r.target.name}"))
     points = []
@@ -167,9 +175,9 @@ def measure(
         for k in range(args.rounds):
             shift = k % len(running)
             for r in running[shift:] + running[:shift]:
-                slices[r.target.name].append(
-                    _slice(r, mix, mode, level, args.duration / args.rounds)
-                )
+                done = slices[r.target.name]  # the next slice goes on through the mix
+                sent = sum(len(p.samples) for p, _ in done)
+                done.append(_slice(r, mix, mode, level, args.duration / args.rounds, sent))
         points += [_point(r, slices[r.target.name]) for r in running]
     return points
 

@@ -259,11 +259,54 @@ async def test_first_zmq_calls_at_once_share_one_socket(session: aiohttp.ClientS
     await server.start_server()
     pool = Pool("derender", (str(server.make_url("")).rstrip("/"),))
     transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    opened = []
+    socket = transport.context.socket
+
+    def counted(kind: int) -> Any:
+        opened.append(kind)
+        return socket(kind)
+
+    transport.context.socket = counted  # type: ignore[method-assign]
     try:
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
         assert [_content(a) for a in answers] == ["0", "1", "2", "3"]
-        assert len(transport.connections) == 1
-        assert len(transport.context._sockets) == 1  # type: ignore[attr-defined]
+        assert len(transport.connections) == 1 and len(opened) == 1
     finally:
         await asyncio.wait_for(transport.close(), 5)
         await server.close()
+
+
+async def test_a_replica_slow_to_open_holds_up_no_other(session: aiohttp.ClientSession) -> None:
+    """Opening a socket waits for the replica's `/v1/zmq`: one that does not answer it yet
+    leaves calls to the others alone."""
+    release = asyncio.Event()
+
+    async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
+        token = req.generate_chunk.choices[0].token_ids[0]
+        return answer_for({"generate_chunk": {"choices": [{"token_ids": [token]}]}})
+
+    async def stuck(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return await endpoint(request)
+
+    apps = [web.Application(), web.Application()]
+    for app, route in zip(apps, (stuck, endpoint), strict=True):
+        app.cleanup_ctx.append(channel_ctx("127.0.0.1", 0, handle))
+        app.router.add_get("/v1/zmq", route)
+    servers = [TestServer(app) for app in apps]
+    for s in servers:
+        await s.start_server()
+    pool = Pool("derender", tuple(str(s.make_url("")).rstrip("/") for s in servers))
+    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    try:
+        held = asyncio.ensure_future(transport.stream(call(1)))  # least in flight: the first
+        await asyncio.sleep(0.05)
+        answer = await asyncio.wait_for(transport.stream(call(2)), 10)  # the second replica
+        assert _content(answer) == "2" and not held.done()
+        release.set()
+        assert _content(await asyncio.wait_for(held, 10)) == "1"
+    finally:
+        release.set()
+        await transport.close()
+        for s in servers:
+            await s.close()
