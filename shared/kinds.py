@@ -22,6 +22,7 @@ from tokenline.shared.wire import (
     Completion,
     CompletionChunk,
     CompletionRequest,
+    DerenderBatch,
     DerenderChatRequest,
     DerenderChatStreamResponse,
     DerenderCompletionRequest,
@@ -128,6 +129,12 @@ class Kind:
     def derender_json(self) -> msgspec.json.Decoder[Any]:
         """A derender call's body (vLLM's JSON route); `derender_msgpack` the same over ZMQ."""
         return msgspec.json.Decoder(self.derender_request)
+
+    @functools.cached_property
+    def derender_batch_json(self) -> msgspec.json.Decoder[Any]:
+        """A batch of this kind's calls, every item decoded (`DerenderBatch`)."""
+        batch = DerenderBatch[self.derender_request]  # type: ignore[name-defined]
+        return msgspec.json.Decoder(batch)
 
     @functools.cached_property
     def derender_msgpack(self) -> msgspec.msgpack.Decoder[Any]:

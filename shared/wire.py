@@ -703,16 +703,20 @@ DerenderChatStreamResponse = DerenderStreamResponse[ChatCompletionChunk]
 DerenderCompletionStreamResponse = DerenderStreamResponse[CompletionChunk]
 
 
-class DerenderBatch(Wire, kw_only=True):
+ItemT = TypeVar("ItemT")
+
+
+class DerenderBatch(Wire, Generic[ItemT], kw_only=True):
     """tokenline extension: several derender calls of one kind in one body (`Kind.batch_path`).
 
-    Each item stays raw and is decoded on its own, so a malformed item is that item's error. The
-    answer (200) is a JSON list as long as `requests`: item i's answer, as a single call would
-    give it, or item i's error envelope `{"error": {...}}`. Only a body that is no batch at all
-    is a 400.
+    Read in one pass as one kind's calls (`Kind.derender_batch_json`) when every item decodes;
+    otherwise each item stays raw (`DERENDER_BATCH`) and is decoded on its own, so a malformed
+    item is that item's error. The answer (200) is a JSON list as long as `requests`: item i's
+    answer, as a single call would give it, or item i's error envelope `{"error": {...}}`. Only
+    a body that is no batch at all is a 400.
     """
 
-    requests: Annotated[list[msgspec.Raw], Meta(min_length=1, max_length=DERENDER_BATCH_ITEMS)]
+    requests: Annotated[list[ItemT], Meta(min_length=1, max_length=DERENDER_BATCH_ITEMS)]
 
 
 # --------------------------------------------------------------------------- models list
@@ -750,7 +754,7 @@ COMPLETION_RESPONSE = msgspec.json.Decoder(Completion)
 COMPLETION_CHUNK = msgspec.json.Decoder(CompletionChunk)
 DERENDER_CHAT = msgspec.json.Decoder(DerenderChatRequest)
 DERENDER_COMPLETION = msgspec.json.Decoder(DerenderCompletionRequest)
-DERENDER_BATCH = msgspec.json.Decoder(DerenderBatch)
+DERENDER_BATCH = msgspec.json.Decoder(DerenderBatch[msgspec.Raw])
 
 
 # --------------------------------------------------------------------------- tokenize / detokenize

@@ -11,7 +11,7 @@ import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -26,15 +26,12 @@ from tokenline.services.derender.texts import token_texts
 from tokenline.shared.errors import as_service_error
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
-from tokenline.shared.limits import DERENDER_BATCH_ITEMS
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     DERENDER_BATCH,
     DETOKENIZE_REQUEST,
-    DerenderChatRequest,
-    DerenderCompletionRequest,
 )
 
 T = TypeVar("T")
@@ -121,32 +118,14 @@ async def _channel_handle(app: web.Application, kind: Kind, req: DerenderRequest
     return await _one(app[STATE], kind, req)
 
 
-BATCH_ITEMS = msgspec.Meta(min_length=1, max_length=DERENDER_BATCH_ITEMS)
-
-
-class _ChatBatch(msgspec.Struct):
-    """`DerenderBatch` whose every item decodes (one kind's typed items)."""
-
-    requests: Annotated[list[DerenderChatRequest], BATCH_ITEMS]
-
-
-class _CompletionBatch(msgspec.Struct):
-    requests: Annotated[list[DerenderCompletionRequest], BATCH_ITEMS]
-
-
-WHOLE_BATCH: dict[type, msgspec.json.Decoder[Any]] = {
-    DerenderChatRequest: msgspec.json.Decoder(_ChatBatch),
-    DerenderCompletionRequest: msgspec.json.Decoder(_CompletionBatch),
-}
-
-
 def _batch_items(kind: Kind, body: bytes) -> list[Any]:
     """A batch body's calls: decoded in one pass when every item decodes (the common case;
-    item by item, each item's bytes are parsed twice), else raw, for each item to fail alone."""
+    item by item, each item's bytes are parsed twice), else raw, for each item to fail alone
+    (such a body is then parsed again)."""
     try:
-        return list(WHOLE_BATCH[kind.derender_request].decode(body).requests)
+        return kind.derender_batch_json.decode(body).requests  # type: ignore[no-any-return]
     except (msgspec.ValidationError, msgspec.DecodeError):
-        return list(DERENDER_BATCH.decode(body).requests)
+        return DERENDER_BATCH.decode(body).requests
 
 
 async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> list[Any]:

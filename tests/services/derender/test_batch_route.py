@@ -14,7 +14,7 @@ from tokenline.services.derender.app import make_app
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import derender
-from tokenline.shared.kinds import CHAT
+from tokenline.shared.kinds import CHAT, COMPLETION
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import DERENDER_CHAT, JSON
 
@@ -83,3 +83,38 @@ def test_stop_tail_without_stop_strings_as_the_checker_leaves_it(
     assert (text, state["stop_tail"], state["unsent_chars"]) == ("bc world", "", 0)
     text, state = _stream_text(tiny_tok, ids, base | {"stop_tail": "abc", "unsent_chars": 0})
     assert (text, state["stop_tail"], state["unsent_chars"]) == (" world", "", 0)
+
+
+async def test_a_batch_of_valid_items_answers_as_single_calls(
+    client: TestClient, tiny_tok: ModelTokenizer
+) -> None:
+    """Every item decodes (the one-pass path): each answer is the single route's, chat and
+    completions, with the counters moved by every item."""
+    ids = tiny_tok.encode(" one two three four", add_special_tokens=False)
+    chats = [_item(ids[:2], logprobs=True, top_logprobs=1), _item(ids[2:3], stop=["t"])]
+    prompt = {"prompt": "x", "model": "tiny"}
+    completion = {**_item(ids[:3]), "completion_request": prompt, "prompt_token_ids": [1]}
+    del completion["chat_request"]
+    for kind_path, single_path, items in (
+        (CHAT.batch_path, CHAT.derender_path, chats),
+        (COMPLETION.batch_path, COMPLETION.derender_path, [completion]),
+    ):
+        resp = await client.post(kind_path, json={"requests": items})
+        assert resp.status == 200
+        answers = await resp.json()
+        singles = [await (await client.post(single_path, json=i)).json() for i in items]
+        for got, single in zip(answers, singles, strict=True):
+            assert "error" not in got
+            got["chunk"].pop("created"), single["chunk"].pop("created")
+            assert got == single
+    metrics = await (await client.get("/metrics")).text()
+    assert _counter(metrics, "chunks_total") == 2 * 3  # each item once in a batch, once alone
+    assert _counter(metrics, "tokens_total") == 2 * (2 + 1 + 3)
+
+
+@pytest.mark.parametrize("count", [0, 257])
+async def test_a_batch_too_small_or_too_large_is_a_400(client: TestClient, count: int) -> None:
+    resp = await client.post(CHAT.batch_path, json={"requests": [{"stream": "no"}] * count})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["code"] == 400 and error["param"] == "requests"
