@@ -3,7 +3,9 @@
 Every hop's HTTP goes through `post` (a whole answer) or `stream_payloads` (an SSE stream);
 aiohttp's and asyncio's exceptions become ours naming the hop and the replica, and an error
 answer becomes `UpstreamRejected` (a 4xx that is the request's own fault, which the client gets
-as it is) or `UpstreamError` (the replica failed).
+as it is) or `UpstreamError` (the replica failed). A stream reports its outcome to the pool
+itself (`retry.reported`); a `post`'s callers do (`retry.on_replicas`, `Hops.generate_whole`):
+never wrap either in a second report, which would count one fault twice.
 """
 
 from __future__ import annotations
