@@ -140,14 +140,23 @@ def from_validation(exc: Exception) -> BadRequest:
     return BadRequest(text, param=found.group(1) if found else None)
 
 
+TOO_DEEP = "while deserializing"
+"""In msgspec's RecursionError for a document nested deeper than the stack allows."""
+
+
 def as_service_error(exc: BaseException) -> ServiceError:
     """Any exception as the error a client should see: ours as they are, msgspec's as a 400
-    naming the field, aiohttp's HTTP exceptions with their status, anything else a 500 that is
-    logged whole (a bug, never the client's fault, never a reason to stop serving)."""
+    naming the field (a body too deeply nested for it to decode, a 400 too), aiohttp's HTTP
+    exceptions with their status, anything else a 500 that is logged whole (a bug, never the
+    client's fault, never a reason to stop serving)."""
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, (msgspec.ValidationError, msgspec.DecodeError)):
         return from_validation(exc)
+    if isinstance(exc, RecursionError) and TOO_DEEP in str(exc):
+        # msgspec runs out of stack on a body nested deeper than any request needs (where a
+        # field takes any JSON, e.g. a schema): the client's doing, not a bug of ours
+        return BadRequest("the request body nests JSON too deeply")
     if isinstance(exc, HTTPException) and exc.status >= 400:
         if exc.status == 413:
             return PayloadTooLarge(exc.text or "request body too large")

@@ -123,3 +123,27 @@ async def test_a_full_queue_is_429_with_retry_after_and_a_leaver_is_499(
     finally:
         for server in servers:
             await server.close()
+
+
+async def test_a_body_nested_too_deeply_is_a_400_no_engine_sees(
+    aiohttp_client: Any, tiers: Tiers
+) -> None:
+    """A schema nested deep enough to exhaust the decoder's stack: the client's 400, and
+    neither render nor an engine is asked anything."""
+    engine = EndlessDecode()
+    servers = await engines(engine)
+    try:
+        proxy = await aiohttp_client(make_proxy(config(tiers, servers)))
+        deep = b"[" * 100_000 + b"]" * 100_000
+        body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+        body += b'"response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+        body += b'"schema": {"a": ' + deep + b"}}}}"
+        resp = await proxy.post(
+            "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        assert resp.status == 400
+        assert "too deeply" in (await resp.json())["error"]["message"]
+        assert engine.started_ids == []
+    finally:
+        for server in servers:
+            await server.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 from aiohttp import web
@@ -54,6 +56,16 @@ def test_msgspec_errors_are_the_clients_400_naming_the_field() -> None:
     err = as_service_error(caught.value)
     assert err.status == 400 and err.param == "n"
     assert as_service_error(msgspec.DecodeError("bad json")).status == 400
+
+
+def test_a_body_nested_too_deeply_to_decode_is_the_clients_400() -> None:
+    """msgspec runs out of stack where a field takes any JSON; a bare RecursionError elsewhere
+    stays a bug (a 500, below)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(RecursionError) as caught:
+        msgspec.json.decode(b'{"schema": ' + deep + b"}", type=dict[str, Any])
+    err = as_service_error(caught.value)
+    assert err.status == 400 and "too deeply" in err.message
 
 
 @pytest.mark.parametrize(
