@@ -262,10 +262,12 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     busy: list[bool] = []
 
     async def kill() -> None:
-        # once streams run on the victim and have sent output (else they rerun, not migrate)
+        # once streams run on the victim and have sent output (else they rerun, not migrate):
+        # 120 tokens, of a 400-token stream or two, so that a proxy lagging under the suite's
+        # load (40 were once not yet derendered: a rerun, no migration) has sent some of them
         for _ in range(400):
             running, done = await asyncio.to_thread(progress)
-            if running >= 1 and done > generated + 40:
+            if running >= 1 and done > generated + 120:
                 busy.append(True)
                 break
             await asyncio.sleep(0.05)
