@@ -29,14 +29,13 @@ from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import (
-    DERENDER_BATCH,
-    DETOKENIZE_REQUEST,
-)
+from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST
 
 T = TypeVar("T")
 R = TypeVar("R")
 INLINE_TOKENS = 32  # a stream chunk this small decodes faster inline than via a thread hop
+KIND_DERENDER = {name: functools.partial(derender, kind) for name, kind in KINDS.items()}
+"""`derender` bound to each kind once, not per call."""
 
 
 @dataclass
@@ -50,17 +49,17 @@ class DerenderState:
     async def run(
         self, fn: Callable[[R, ModelTokenizer, DerenderSettings], T], req: R, inline: bool
     ) -> T:
-        call = functools.partial(fn, req, self.tok, self.settings)
+        """`fn(req, tok, settings)`: inline (no partial built: a small chunk pays for it), or
+        in a thread."""
         if inline:
-            return call()
+            return fn(req, self.tok, self.settings)
+        call = functools.partial(fn, req, self.tok, self.settings)
         return await asyncio.get_running_loop().run_in_executor(self.pool, call)
 
     async def answer(self, kind: Kind, req: DerenderRequest, tokens: int) -> Any:
         """One call's answer: a small stream chunk inline, anything larger in a thread."""
-        if req.stream and tokens <= INLINE_TOKENS:
-            return derender(kind, req, self.tok, self.settings)
-        call = functools.partial(derender, kind, req, self.tok, self.settings)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, call)
+        inline = req.stream and tokens <= INLINE_TOKENS
+        return await self.run(KIND_DERENDER[kind.name], req, inline)
 
     def count(self, chunks: int, tokens: int) -> None:
         if chunks:

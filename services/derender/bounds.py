@@ -81,17 +81,16 @@ def check_choice(c: Choice, tok: ModelTokenizer, s: DerenderSettings, whole: boo
             f"token_ids ({len(ids)}).",
             param="logprobs",
         )
-    if not _logprobs_fit(content, tok, s):
-        _check_logprob_entries(content, c.index, tok, s)
+    limit = s.max_logprobs + 2  # candidates an entry may hold
+    if not _logprobs_fit(content, limit, tok):
+        _check_logprob_entries(content, limit, c.index, tok, s)
 
 
-def _logprobs_fit(
-    content: list[GenerateLogProbsContent], tok: ModelTokenizer, s: DerenderSettings
-) -> bool:
+def _logprobs_fit(content: list[GenerateLogProbsContent], limit: int, tok: ModelTokenizer) -> bool:
     """Every entry within bounds (the common case, checked in one plain loop: a chunk has a
     token or a few); False sends the entries through `_check_logprob_entries`, which names
     the first fault."""
-    limit, vocab = s.max_logprobs + 2, tok.vocab_size
+    vocab = tok.vocab_size
     for entry in content:
         if len(entry.top_logprobs) > limit or entry.token_id >= vocab:
             return False
@@ -102,10 +101,14 @@ def _logprobs_fit(
 
 
 def _check_logprob_entries(
-    content: list[GenerateLogProbsContent], index: int, tok: ModelTokenizer, s: DerenderSettings
+    content: list[GenerateLogProbsContent],
+    limit: int,
+    index: int,
+    tok: ModelTokenizer,
+    s: DerenderSettings,
 ) -> None:
     for entry in content:
-        if len(entry.top_logprobs) > s.max_logprobs + 2:
+        if len(entry.top_logprobs) > limit:
             raise BadRequest(
                 f"top_logprobs count ({len(entry.top_logprobs)}) in choice {index} exceeds "
                 f"max_logprobs ({s.max_logprobs}).",

@@ -68,10 +68,11 @@ class TokenTexts:
     def own_text(self, token_id: int) -> str | None:
         """The text `token_id` adds after text ending on a character boundary, when that is
         its own text (None: decode the window)."""
-        if token_id in self.own:
+        try:
             return self.own[token_id]
-        found = self.own[token_id] = self._own_text(token_id)
-        return found
+        except KeyError:  # a token's first time (one lookup, not two, for every other)
+            found = self.own[token_id] = self._own_text(token_id)
+            return found
 
     def _own_text(self, token_id: int) -> str | None:
         if not self.byte_level or token_id in self.added:
