@@ -1,4 +1,4 @@
-"""The proxy: `make_app(config)` wires the client session, the pools and their upkeep, auth,
+"""The proxy: `make_app(config)` wires the HTTP client, the pools and their upkeep, auth,
 admission control, metrics and routes; `serve(config)` runs it until SIGTERM, then drains.
 
 Graceful shutdown (`serve`): the first SIGTERM or SIGINT stops admitting (new requests get 503
@@ -11,28 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-import aiohttp
-from aiohttp import hdrs, web
-from aiohttp.client_middlewares import ClientHandlerType, ClientMiddlewareType
-from yarl import URL
+from aiohttp import web
 
 from tokenline.proxy.admission import Admission
 from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools, maintained
 from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.routes import ADMISSION, HOPS, TOKENS_ONLY, chat_completions, completions
 from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
+from tokenline.proxy.upstream import translated
 from tokenline.proxy.utility import add_utility_routes
 from tokenline.shared.errors import ShuttingDown, Unauthorized
 from tokenline.shared.http import Handler, error_response, json_response, make_base_app
@@ -102,76 +100,60 @@ DRAIN = web.AppKey("drain", Drain)
 
 
 def pools_of(config: ProxyConfig) -> Pools:
+    """Every pool; the generate pools' calls (streams, health checks and aborts included) carry
+    `Authorization: Bearer <key>` when the engines want one, and only theirs: render and
+    derender never see the key."""
+    key = config.generate_api_key
+    keyed = {"Authorization": f"Bearer {key}"} if key else {}
     return Pools(
         render=Pool("render", config.render_urls),
         derender=Pool("derender", config.derender_urls),
-        prefill=Pool("prefill", config.prefill_urls),
-        decode=Pool("decode", config.decode_urls),
+        prefill=Pool("prefill", config.prefill_urls, dict(keyed)),
+        decode=Pool("decode", config.decode_urls, dict(keyed)),
     )
 
 
 def derender_transport(
     config: ProxyConfig,
-    session: aiohttp.ClientSession,
+    client: Client,
     pool: Pool,
     policy: RetryPolicy,
     metrics: ProxyMetrics,
+    limits: Limits,
 ) -> DerenderTransport:
     if config.derender_transport == "batched":
-        return BatchedDerender(session, pool, policy, metrics, wait=config.derender_batch_wait)
+        return BatchedDerender(
+            client, pool, policy, metrics, limits, wait=config.derender_batch_wait
+        )
     if config.derender_transport == "zmq":
-        return ZmqDerender(session, pool, policy, metrics)
-    return HttpDerender(session, pool, policy, metrics)
-
-
-def generate_key(pools: Sequence[Pool], key: str | None) -> list[ClientMiddlewareType]:
-    """The client middleware that sends `Authorization: Bearer <key>` with every call to a
-    replica of `pools` (generate's, health checks and aborts included), and only to them:
-    render and derender never see the key. No middleware without a key."""
-    if not key:
-        return []
-    bearer = f"Bearer {key}"
-
-    async def authorized(
-        request: aiohttp.ClientRequest, handler: ClientHandlerType
-    ) -> aiohttp.ClientResponse:
-        origin = request.url.origin()
-        if any(_origin(w.url) == origin for pool in pools for w in pool.workers):
-            request.headers[hdrs.AUTHORIZATION] = bearer
-        return await handler(request)
-
-    return [authorized]
-
-
-@functools.lru_cache(maxsize=1024)
-def _origin(url: str) -> URL:
-    """A replica URL's scheme, host and port (cached: derender calls run this per chunk)."""
-    return URL(url).origin()
+        return ZmqDerender(client, pool, policy, metrics, limits)
+    return HttpDerender(client, pool, policy, metrics, limits)
 
 
 async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
     timeouts = Timeouts.of(config)
     pools = pools_of(config)
-    keyed = generate_key([pools.prefill, pools.decode], config.generate_api_key)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeouts.pure, middlewares=keyed
-    ) as session:
+    client = Client()
+    try:
         for pool in pools.all():
             await pool.resolve()
             metrics.track_pool(pool.role, pool.in_flight)
-        await asyncio.gather(*(pool.check(session) for pool in pools.all()))
+        await asyncio.gather(*(pool.check(client) for pool in pools.all()))
         policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
-        derender = derender_transport(config, session, pools.derender, policy, metrics)
-        hops = Hops(session, pools, policy, metrics, derender, timeouts)
+        derender = derender_transport(
+            config, client, pools.derender, policy, metrics, timeouts.pure
+        )
+        hops = Hops(client, pools, policy, metrics, derender, timeouts)
         app[HOPS] = hops
         try:
-            async with maintained(pools, session, config.health_interval, config.resolve_interval):
+            async with maintained(pools, client, config.health_interval, config.resolve_interval):
                 yield
         finally:
             await derender.close()
             await hops.settle()
+    finally:
+        await client.close()
 
 
 def auth_middleware(api_key: str | None) -> object:
@@ -262,10 +244,12 @@ async def health(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     hops = request.app[HOPS]
     worker = hops.pools.render.choose()
-    async with hops.session.get(worker.url + "/v1/models") as resp:
-        return web.Response(
-            body=await resp.read(), status=resp.status, content_type="application/json"
-        )
+    with translated("render", worker):
+        async with hops.client.request(
+            "GET", worker.url + "/v1/models", limits=hops.timeouts.pure
+        ) as resp:
+            body = await resp.read()
+    return web.Response(body=body, status=resp.status, content_type="application/json")
 
 
 def make_app(config: ProxyConfig) -> web.Application:
@@ -310,7 +294,7 @@ async def serve(config: ProxyConfig) -> None:
             log.warning("proxy.drain_cut in_flight=%d: cancelled and aborted", drain.in_flight)
             await drain.cut()
     finally:
-        await runner.cleanup()  # closes the pools' session once aborts have gone out
+        await runner.cleanup()  # closes the proxy's connections once aborts have gone out
     log.info("proxy.stopped")
 
 

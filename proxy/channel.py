@@ -17,7 +17,7 @@ from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.retry import on_replicas
 from tokenline.proxy.transport import HttpDerender, readable
-from tokenline.proxy.upstream import rejected_or_failed
+from tokenline.proxy.upstream import rejected_or_failed, translated
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamRejected,
@@ -25,7 +25,7 @@ from tokenline.shared.errors import (
     UpstreamUnavailable,
 )
 from tokenline.shared.wire import JSON
-from tokenline.shared.zmq import MSGPACK, REPLY, Call
+from tokenline.shared.zmq import ADVERTISED, MSGPACK, REPLY, Call
 
 CALL_TIMEOUT = 30.0
 
@@ -85,12 +85,16 @@ class ZmqDerender(HttpDerender):
             return await self._open(worker)
 
     async def _open(self, worker: Worker) -> Connection:
-        async with self.session.get(worker.url + "/v1/zmq") as resp:
-            if resp.status != 200:
-                raise UpstreamUnavailable(
-                    f"derender {worker.url} has no ZMQ channel (start it with --zmq-port)"
-                )
-            advertised = (await resp.json())["endpoint"]
+        with translated("derender", worker):
+            async with self.client.request(
+                "GET", worker.url + "/v1/zmq", limits=self.limits
+            ) as resp:
+                answer = await resp.read()
+        if resp.status != 200:
+            raise UpstreamUnavailable(
+                f"derender {worker.url} has no ZMQ channel (start it with --zmq-port)"
+            )
+        advertised = readable(ADVERTISED, answer).endpoint
         sock = self.context.socket(zmq.DEALER)
         sock.connect(f"tcp://{urlsplit(worker.url).hostname}:{urlsplit(advertised).port}")
         conn = Connection(sock)

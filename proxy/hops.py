@@ -1,6 +1,6 @@
 """The proxy's calls to render and generate, and the derender transport it was given.
 
-`Hops` owns nothing: it uses the app's session and pools. Pure hops (render, derender) are
+`Hops` owns nothing: it uses the app's HTTP client and pools. Pure hops (render, derender) are
 retried on another replica through `proxy.retry`; the prefill leg tries each prefill replica
 and falls back to decode-only; a decode leg that fails behind a prefill is run once more
 behind a fresh prefill (`behind_prefill`), as long as nothing has reached the client.
@@ -15,10 +15,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import aiohttp
-
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
+from tokenline.proxy.h1 import Client, HttpClientError, Limits
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
@@ -44,6 +43,7 @@ T = TypeVar("T")
 Decode = Callable[[GenerateRequest, "Prefilled", Sequence[Worker]], Awaitable[T]]
 """A decode leg: the request, its prefill leg's outcome, replicas to avoid."""
 ABORT_GRACE = 1.0  # seconds pending aborts get at shutdown
+ABORT_TIMEOUT = 5.0  # seconds one abort call may take
 
 
 @dataclass(frozen=True)
@@ -60,31 +60,25 @@ class Prefilled:
 class Timeouts:
     """Per hop; never a total limit, so a healthy long stream is never cut."""
 
-    pure: aiohttp.ClientTimeout
-    """render and derender: connect, then the whole answer."""
-    generate_whole: aiohttp.ClientTimeout
-    generate_stream: aiohttp.ClientTimeout
+    pure: Limits
+    """render, derender and the prefill leg: connect, then the whole answer."""
+    generate_whole: Limits
+    generate_stream: Limits
     """connect, then the first byte, then at most this long between chunks."""
 
     @classmethod
     def of(cls, config: ProxyConfig) -> Timeouts:
         connect = config.connect_timeout
         return cls(
-            pure=aiohttp.ClientTimeout(
-                total=None, sock_connect=connect, sock_read=config.hop_timeout
-            ),
-            generate_whole=aiohttp.ClientTimeout(
-                total=None, sock_connect=connect, sock_read=config.first_token_timeout
-            ),
-            generate_stream=aiohttp.ClientTimeout(
-                total=None, sock_connect=connect, sock_read=config.stream_idle_timeout
-            ),
+            pure=Limits(connect, config.hop_timeout),
+            generate_whole=Limits(connect, config.first_token_timeout),
+            generate_stream=Limits(connect, config.stream_idle_timeout),
         )
 
 
 @dataclass
 class Hops:
-    session: aiohttp.ClientSession
+    client: Client
     pools: Pools
     policy: RetryPolicy
     metrics: ProxyMetrics
@@ -95,7 +89,13 @@ class Hops:
 
     async def render(self, kind: Kind, raw: bytes, headers: HopHeaders) -> list[GenerateRequest]:
         call = post_any(
-            self.session, self.pools.render, self.policy, kind.render_path, raw, headers.pure()
+            self.client,
+            self.pools.render,
+            self.policy,
+            kind.render_path,
+            raw,
+            headers.pure(),
+            self.timeouts.pure,
         )
         return kind.generate_requests(await self.metrics.timed("render", call))
 
@@ -116,7 +116,13 @@ class Hops:
 
         async def once(worker: Worker) -> Prefilled:
             data = await post(
-                self.session, pool, worker, GENERATE_PATH, body, headers.generate(gen)
+                self.client,
+                pool,
+                worker,
+                GENERATE_PATH,
+                body,
+                headers.generate(gen),
+                self.timeouts.pure,
             )
             answer = GENERATE_RESPONSE.decode(data)
             if answer.kv_transfer_params is None:
@@ -146,7 +152,7 @@ class Hops:
         worker = pool.choose(exclude)
         body = JSON.encode(gen)
         hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
-        call = post(self.session, pool, worker, GENERATE_PATH, body, hdrs, timeout)
+        call = post(self.client, pool, worker, GENERATE_PATH, body, hdrs, timeout)
         try:
             with reported(pool, worker):
                 data = await self.metrics.timed("decode", call)
@@ -165,7 +171,7 @@ class Hops:
         worker = pool.choose(exclude)
         body = JSON.encode(gen)
         source = stream_payloads(
-            self.session, pool, worker, body, headers.generate(gen), self.timeouts.generate_stream
+            self.client, pool, worker, body, headers.generate(gen), self.timeouts.generate_stream
         )
         return worker, source
 
@@ -224,12 +230,16 @@ class Hops:
             await asyncio.wait([task], timeout=ABORT_GRACE)
 
     async def _abort(self, worker: Worker, engine_request_id: str) -> None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
-            async with self.session.post(
-                worker.url + "/inference/v1/abort_requests",
-                json={"request_ids": [engine_request_id]},
-                timeout=aiohttp.ClientTimeout(total=5),
-            ) as resp:
+        body = JSON.encode({"request_ids": [engine_request_id]})
+        # both generate pools carry the same key (`Pool.headers`)
+        headers = {"Content-Type": "application/json", **self.pools.decode.headers}
+        with contextlib.suppress(HttpClientError, TimeoutError, OSError):
+            async with (
+                asyncio.timeout(ABORT_TIMEOUT),
+                self.client.request(
+                    "POST", worker.url + "/inference/v1/abort_requests", body, headers
+                ) as resp,
+            ):
                 await resp.read()
 
     async def settle(self) -> None:

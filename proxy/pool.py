@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
-
+from tokenline.proxy.h1 import Client, HttpClientError
 from tokenline.shared.errors import UpstreamUnavailable
 
 log = logging.getLogger(__name__)
 
 
+CHECK_TIMEOUT = 3.0  # seconds a health check may take
 BreakerState = Literal["unchecked", "closed", "open", "half_open"]
 
 
@@ -160,6 +160,8 @@ class Pool:
 
     role: str
     urls: tuple[str, ...]
+    headers: dict[str, str] = field(default_factory=dict)
+    """What every call to these replicas carries besides its own (generate's API key)."""
     workers: list[Worker] = field(default_factory=list)
     turns: int = 0
 
@@ -223,16 +225,18 @@ class Pool:
                 fresh.append(found)
         self.workers = fresh
 
-    async def check(self, session: aiohttp.ClientSession) -> None:
-        await asyncio.gather(*(self._check_one(session, w) for w in self.workers))
+    async def check(self, client: Client) -> None:
+        await asyncio.gather(*(self._check_one(client, w) for w in self.workers))
 
-    async def _check_one(self, session: aiohttp.ClientSession, worker: Worker) -> None:
+    async def _check_one(self, client: Client, worker: Worker) -> None:
         try:
-            async with session.get(
-                worker.url + "/health", timeout=aiohttp.ClientTimeout(total=3)
-            ) as resp:
+            async with (
+                asyncio.timeout(CHECK_TIMEOUT),
+                client.request("GET", worker.url + "/health", headers=self.headers) as resp,
+            ):
+                await resp.read()
                 ok = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except (HttpClientError, TimeoutError, OSError):
             ok = False
         was = worker.breaker.state
         worker.breaker.checked(ok)
@@ -257,7 +261,7 @@ class Pools:
 
 
 async def maintain(
-    pools: Pools, session: aiohttp.ClientSession, health_interval: float, resolve_interval: float
+    pools: Pools, client: Client, health_interval: float, resolve_interval: float
 ) -> None:
     """Background loop: re-resolve names and health-check every worker, forever."""
     last_resolve = 0.0
@@ -267,15 +271,15 @@ async def maintain(
             for pool in pools.all():
                 await pool.resolve()
             last_resolve = now
-        await asyncio.gather(*(p.check(session) for p in pools.all()))
+        await asyncio.gather(*(p.check(client) for p in pools.all()))
         await asyncio.sleep(health_interval)
 
 
 @contextlib.asynccontextmanager
 async def maintained(
-    pools: Pools, session: aiohttp.ClientSession, health_interval: float, resolve_interval: float
+    pools: Pools, client: Client, health_interval: float, resolve_interval: float
 ) -> AsyncIterator[None]:
-    task = asyncio.create_task(maintain(pools, session, health_interval, resolve_interval))
+    task = asyncio.create_task(maintain(pools, client, health_interval, resolve_interval))
     try:
         yield
     finally:

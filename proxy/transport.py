@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import aiohttp
 import msgspec
 
 from tokenline.proxy.flow import StreamAnswer, StreamCall
+from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
@@ -63,13 +63,15 @@ def readable(decoder: Any, data: bytes) -> Any:
 class HttpDerender:
     """vLLM's derender routes over HTTP: the default, and the base of the others."""
 
-    session: aiohttp.ClientSession
+    client: Client
     pool: Pool
     policy: RetryPolicy
     metrics: ProxyMetrics
+    limits: Limits
+    """Connect, then the whole answer (the proxy's `Timeouts.pure`)."""
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        call = post_any(self.session, self.pool, self.policy, path, body, headers)
+        call = post_any(self.client, self.pool, self.policy, path, body, headers, self.limits)
         return await self.metrics.timed("derender", call)
 
     async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:

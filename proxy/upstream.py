@@ -1,7 +1,8 @@
 """HTTP calls to a replica, with foreign errors translated once, here.
 
-Every hop's HTTP goes through `post` (a whole answer) or `stream_payloads` (an SSE stream);
-aiohttp's and asyncio's exceptions become ours naming the hop and the replica, and an error
+Every hop's HTTP goes through `post` (a whole answer) or `stream_payloads` (an SSE stream), on
+the proxy's own client (`proxy/h1.py`); its and asyncio's exceptions become ours naming the hop
+and the replica, and an error
 answer becomes `UpstreamRejected` (a 4xx that is the request's own fault, which the client gets
 as it is) or `UpstreamError` (the replica failed). A stream reports its outcome to the pool
 itself (`retry.reported`); a `post`'s callers do (`retry.on_replicas`, `Hops.generate_whole`):
@@ -14,9 +15,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Iterator, Mapping
 
-import aiohttp
 import msgspec
 
+from tokenline.proxy.h1 import Broken, Client, HttpClientError, Limits, Response, Unreachable
 from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared.errors import (
@@ -38,17 +39,17 @@ BODY_END_WAIT = 1.0  # seconds a stream's body may take to end after its [DONE]
 
 @contextlib.contextmanager
 def translated(role: str, worker: Worker) -> Iterator[None]:
-    """aiohttp's and asyncio's errors as ours, naming the hop."""
+    """The client's and asyncio's errors as ours, naming the hop."""
     try:
         yield
-    except TimeoutError as exc:  # before ClientError: aiohttp's socket timeouts are both
-        raise UpstreamTimeout(f"{role} {worker.url} timed out: {exc!r}") from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamUnavailable(f"{role} {worker.url} unreachable: {exc.os_error}") from exc
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-        raise UpstreamError(f"{role} {worker.url} broke the connection: {exc!r}") from exc
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(f"{role} {worker.url}: {exc!r}") from exc
+    except TimeoutError as exc:
+        raise UpstreamTimeout(f"{role} {worker.url} timed out: {exc}") from exc
+    except Unreachable as exc:
+        raise UpstreamUnavailable(f"{role} {worker.url} unreachable: {exc}") from exc
+    except Broken as exc:
+        raise UpstreamError(f"{role} {worker.url} broke the connection: {exc}") from exc
+    except HttpClientError as exc:
+        raise UpstreamError(f"{role} {worker.url}: {exc}") from exc
 
 
 def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> ServiceError:
@@ -72,19 +73,18 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
 
 
 async def post(
-    session: aiohttp.ClientSession,
+    client: Client,
     pool: Pool,
     worker: Worker,
     path: str,
     body: bytes,
     headers: Mapping[str, str],
-    limits: aiohttp.ClientTimeout | None = None,
+    limits: Limits,
 ) -> bytes:
-    """POST `body` to `worker` and return the answer; error answers raise. `limits`: the
-    session's unless given."""
+    """POST `body` to `worker` and return the answer; error answers raise."""
     with pool.lease(worker), translated(pool.role, worker):
-        async with session.post(
-            worker.url + path, data=body, headers=headers, timeout=limits or session.timeout
+        async with client.request(
+            "POST", worker.url + path, body, _with_pool(pool, headers), limits
         ) as resp:
             data = await resp.read()
             if resp.status >= 400:
@@ -93,29 +93,30 @@ async def post(
 
 
 async def post_any(
-    session: aiohttp.ClientSession,
+    client: Client,
     pool: Pool,
     policy: RetryPolicy,
     path: str,
     body: bytes,
     headers: Mapping[str, str],
+    limits: Limits,
 ) -> bytes:
     """POST `body` to a healthy replica of a pure hop's `pool`; another one on a replica's
     failure (`proxy.retry.on_replicas`)."""
 
     async def once(worker: Worker) -> bytes:
-        return await post(session, pool, worker, path, body, headers)
+        return await post(client, pool, worker, path, body, headers, limits)
 
     return await on_replicas(pool, policy, once)
 
 
 async def stream_payloads(
-    session: aiohttp.ClientSession,
+    client: Client,
     pool: Pool,
     worker: Worker,
     body: bytes,
     headers: Mapping[str, str],
-    limits: aiohttp.ClientTimeout,
+    limits: Limits,
 ) -> AsyncGenerator[list[bytes], None]:
     """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
     read together, the outcome reported to the pool (a stream left early reports nothing).
@@ -125,15 +126,15 @@ async def stream_payloads(
     error event before any output is then that error's own status, as if it had been the
     answer (a 400 stays the request's fault, never the replica's)."""
     with pool.lease(worker), reported(pool, worker), translated(pool.role, worker):
-        async with session.post(
-            worker.url + GENERATE_PATH, data=body, headers=headers, timeout=limits
+        async with client.request(
+            "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
         ) as resp:
             if resp.status >= 400:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
             with _closed_when_gone(pool.role, worker, resp):
                 events = SseEvents()
                 first = True
-                async for data in resp.content.iter_any():
+                async for data in resp.chunks():
                     payloads = events.feed(data)
                     if first and payloads and payloads[0].startswith(b'{"error"'):
                         code = _code(payloads[0])
@@ -146,19 +147,19 @@ async def stream_payloads(
                         return
 
 
-async def _rest_of_body(resp: aiohttp.ClientResponse) -> None:
+async def _rest_of_body(resp: Response) -> None:
     """The end of a stream's body after `[DONE]`, read (briefly) so that its connection goes
     back to the pool instead of being closed: the next request to that replica then needs no
     new connection. A replica that holds the body open past `[DONE]` is left (the connection
     closes)."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(BODY_END_WAIT):
-            async for _ in resp.content.iter_any():
+            async for _ in resp.chunks():
                 pass
 
 
 @contextlib.contextmanager
-def _closed_when_gone(role: str, worker: Worker, resp: aiohttp.ClientResponse) -> Iterator[None]:
+def _closed_when_gone(role: str, worker: Worker, resp: Response) -> Iterator[None]:
     """A stream given up with `UpstreamUnavailable` as soon as `worker` leaves the rotation (a
     partitioned host would otherwise hold it for the idle timeout, and it could not migrate).
 
@@ -175,7 +176,7 @@ def _closed_when_gone(role: str, worker: Worker, resp: aiohttp.ClientResponse) -
     worker.watching.add(give_up)
     try:
         yield
-    except (aiohttp.ClientError, ServiceError) as exc:
+    except (HttpClientError, ServiceError) as exc:
         if gone:
             raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-stream") from exc
         raise
@@ -183,6 +184,10 @@ def _closed_when_gone(role: str, worker: Worker, resp: aiohttp.ClientResponse) -
         worker.watching.discard(give_up)
     if gone:
         raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-stream")
+
+
+def _with_pool(pool: Pool, headers: Mapping[str, str]) -> Mapping[str, str]:
+    return {**headers, **pool.headers} if pool.headers else headers
 
 
 class SseEvents:

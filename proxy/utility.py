@@ -29,7 +29,8 @@ def _forward(path: str, pool_of: Callable[[Pools], Pool]) -> Handler:
         raw = await read_json_body(request)
         hops = request.app[HOPS]
         headers = hop_headers(request).pure()
-        answer = await post_any(hops.session, pool_of(hops.pools), hops.policy, path, raw, headers)
+        pool, limits = pool_of(hops.pools), hops.timeouts.pure
+        answer = await post_any(hops.client, pool, hops.policy, path, raw, headers, limits)
         return web.Response(body=answer, content_type="application/json")
 
     return handle

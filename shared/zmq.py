@@ -24,6 +24,13 @@ class Reply(msgspec.Struct, array_like=True):
     body: bytes
 
 
+class Advertised(msgspec.Struct):
+    """`GET /v1/zmq`'s answer: where a derender replica's channel listens."""
+
+    endpoint: str
+
+
 MSGPACK = msgspec.msgpack.Encoder()
+ADVERTISED = msgspec.json.Decoder(Advertised)
 CALL = msgspec.msgpack.Decoder(Call)
 REPLY = msgspec.msgpack.Decoder(Reply)

@@ -94,4 +94,4 @@ def channel_ctx(
 
 
 async def endpoint(request: web.Request) -> web.Response:
-    return web.json_response({"endpoint": request.app[ENDPOINT]})
+    return web.json_response({"endpoint": request.app[ENDPOINT]})  # shared.zmq.Advertised

@@ -3,13 +3,15 @@ health checks take replicas out and bring them back."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tokenline.proxy.h1 import Client
 from tokenline.proxy.pool import Breaker, Pool, Worker, expand, least_in_flight
 from tokenline.shared.errors import UpstreamUnavailable
 
@@ -44,6 +46,15 @@ def test_calls_that_never_overlap_still_spread_over_every_replica() -> None:
     assert [pool.choose().url for _ in range(4)] == ["a", "c", "c", "a"]
 
 
+@contextlib.asynccontextmanager
+async def _client() -> AsyncIterator[Client]:
+    client = Client()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 async def test_health_checks_take_out_and_bring_back() -> None:
     up = {"ok": True}
 
@@ -52,7 +63,7 @@ async def test_health_checks_take_out_and_bring_back() -> None:
 
     app = web.Application()
     app.router.add_get("/health", health)
-    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+    async with TestServer(app) as server, _client() as session:
         url = str(server.make_url("")).rstrip("/")
         pool = Pool("render", (url,))
         await pool.check(session)
@@ -81,7 +92,7 @@ async def test_a_new_replica_enters_after_its_first_passing_check() -> None:
 
     app = web.Application()
     app.router.add_get("/health", health)
-    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+    async with TestServer(app) as server, _client() as session:
         url = str(server.make_url("")).rstrip("/")
         pool = Pool("render", ("http://localhost:1",))
         pool.urls = (url,)  # as if DNS now answered with a new address

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 
-import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
+from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.proxy.upstream import stream_payloads
@@ -176,18 +176,19 @@ async def test_a_stream_on_a_replica_that_leaves_the_rotation_gives_up_at_once()
     server = TestServer(decode.app)
     await server.start_server()
     p = Pool("decode", (str(server.make_url("")).rstrip("/"),))
-    limits = aiohttp.ClientTimeout(total=None, sock_read=60)
+    limits = Limits(read=60)
     loop = asyncio.get_running_loop()
+    client = Client()
     try:
-        async with aiohttp.ClientSession() as session:
-            source = stream_payloads(session, p, p.workers[0], b"{}", {}, limits)
-            got = [await anext(source), await anext(source)]
-            await asyncio.sleep(0.05)  # the reader is not waiting on the socket now
-            p.failed(p.workers[0], "health check", certain=True)
-            t0 = loop.time()
-            with pytest.raises(UpstreamUnavailable, match="left the rotation mid-stream"):
-                await anext(source)
-            assert loop.time() - t0 < 1 and len(got) == 2
-            assert not p.workers[0].watching
+        source = stream_payloads(client, p, p.workers[0], b"{}", {}, limits)
+        got = [await anext(source), await anext(source)]
+        await asyncio.sleep(0.05)  # the reader is not waiting on the socket now
+        p.failed(p.workers[0], "health check", certain=True)
+        t0 = loop.time()
+        with pytest.raises(UpstreamUnavailable, match="left the rotation mid-stream"):
+            await anext(source)
+        assert loop.time() - t0 < 1 and len(got) == 2
+        assert not p.workers[0].watching
     finally:
+        await client.close()
         await server.close()

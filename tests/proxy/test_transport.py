@@ -9,7 +9,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
@@ -17,6 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.flow import StreamCall
+from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
@@ -31,6 +31,7 @@ from tokenline.shared.wire import (
 )
 
 RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+LIMITS = Limits(connect=5, read=30)
 METRICS = ProxyMetrics()
 
 
@@ -81,9 +82,12 @@ class FakeDerender:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+async def session() -> AsyncIterator[Client]:
+    client = Client()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
@@ -95,11 +99,11 @@ async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
 
 @contextlib.asynccontextmanager
 async def batched(
-    session: aiohttp.ClientSession, fakes: list[FakeDerender], wait: float = 0.002
+    session: Client, fakes: list[FakeDerender], wait: float = 0.002
 ) -> AsyncIterator[tuple[BatchedDerender, Pool]]:
     """A batched transport over `fakes` served for real, closed after."""
     pool, servers = await serve(fakes)
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, wait=wait)
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS, wait=wait)
     try:
         yield transport, pool
     finally:
@@ -109,7 +113,7 @@ async def batched(
 
 
 async def test_one_turn_of_calls_is_one_batch_per_replica(
-    session: aiohttp.ClientSession,
+    session: Client,
 ) -> None:
     fakes = [FakeDerender(), FakeDerender()]
     async with batched(session, fakes) as (transport, _):
@@ -121,7 +125,7 @@ async def test_one_turn_of_calls_is_one_batch_per_replica(
 
 
 async def test_a_batch_waits_for_the_streams_still_to_come(
-    session: aiohttp.ClientSession,
+    session: Client,
 ) -> None:
     """Chunks of one engine step reach the proxy over a few event-loop turns: a call waits
     (at most `wait`) for every stream holding `streaming()`, then they all go in one batch."""
@@ -139,7 +143,7 @@ async def test_a_batch_waits_for_the_streams_still_to_come(
 
 
 async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
-    session: aiohttp.ClientSession,
+    session: Client,
 ) -> None:
     """A stream that gets no chunk this step (or ends) holds the others back at most `wait`."""
     fake = FakeDerender()
@@ -161,7 +165,7 @@ async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
         assert fake.batches == [1, 1]
 
 
-async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession) -> None:
+async def test_an_items_error_is_that_items_alone(session: Client) -> None:
     fake = FakeDerender()
     async with batched(session, [fake]) as (transport, pool):
         results = await asyncio.gather(
@@ -173,10 +177,10 @@ async def test_an_items_error_is_that_items_alone(session: aiohttp.ClientSession
         assert pool.healthy() == pool.workers  # a request's fault never ejects a replica
 
 
-async def test_a_failing_replica_is_retried_elsewhere(session: aiohttp.ClientSession) -> None:
+async def test_a_failing_replica_is_retried_elsewhere(session: Client) -> None:
     broken, fine = FakeDerender(fail=True), FakeDerender()
     pool, servers = await serve([broken, fine])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
         assert len(answers) == 4 and sum(fine.batches) == 4
@@ -187,10 +191,10 @@ async def test_a_failing_replica_is_retried_elsewhere(session: aiohttp.ClientSes
 
 
 async def test_no_replica_answering_fails_every_waiting_call(
-    session: aiohttp.ClientSession,
+    session: Client,
 ) -> None:
     pool, servers = await serve([FakeDerender(fail=True)])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         results = await asyncio.gather(
             *(transport.stream(call(t)) for t in range(3)), return_exceptions=True
@@ -202,10 +206,10 @@ async def test_no_replica_answering_fails_every_waiting_call(
             await s.close()
 
 
-async def test_http_sends_the_clients_own_bytes(session: aiohttp.ClientSession) -> None:
+async def test_http_sends_the_clients_own_bytes(session: Client) -> None:
     fake = FakeDerender()
     pool, servers = await serve([fake])
-    transport = HttpDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    transport = HttpDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         got = await transport.stream(call(5))
         assert _content(got) == "5"
@@ -221,18 +225,18 @@ async def test_http_sends_the_clients_own_bytes(session: aiohttp.ClientSession) 
 async def test_a_hung_replica_times_out_and_another_answers() -> None:
     hung, fine = FakeDerender(hang=True), FakeDerender()
     pool, servers = await serve([hung, fine])
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=1, sock_read=0.3)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        transport = HttpDerender(session, pool, RetryPolicy(sleep=False), METRICS)
-        try:
-            for token in range(3):
-                got = await transport.stream(call(token))
-                assert _content(got) == str(token)
-            assert pool.workers[0].breaker.state == "open"  # out at its first timeout
-            assert len(fine.singles) == 3 and len(hung.singles) == 0
-        finally:
-            for s in servers:
-                await s.close()
+    client = Client()
+    transport = HttpDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 0.3))
+    try:
+        for token in range(3):
+            got = await transport.stream(call(token))
+            assert _content(got) == str(token)
+        assert pool.workers[0].breaker.state == "open"  # out at its first timeout
+        assert len(fine.singles) == 3 and len(hung.singles) == 0
+    finally:
+        await client.close()
+        for s in servers:
+            await s.close()
 
 
 def _content(answer: Any) -> str | None:
@@ -244,7 +248,7 @@ def _content(answer: Any) -> str | None:
     return content
 
 
-async def test_first_zmq_calls_at_once_share_one_socket(session: aiohttp.ClientSession) -> None:
+async def test_first_zmq_calls_at_once_share_one_socket(session: Client) -> None:
     """Calls that find no socket to a replica yet wait for the one opened first: each opened
     its own before, the last replaced the others and they leaked (`close` then hung)."""
     app = web.Application()
@@ -258,7 +262,7 @@ async def test_first_zmq_calls_at_once_share_one_socket(session: aiohttp.ClientS
     server = TestServer(app)
     await server.start_server()
     pool = Pool("derender", (str(server.make_url("")).rstrip("/"),))
-    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     opened = []
     socket = transport.context.socket
 
@@ -276,7 +280,7 @@ async def test_first_zmq_calls_at_once_share_one_socket(session: aiohttp.ClientS
         await server.close()
 
 
-async def test_a_replica_slow_to_open_holds_up_no_other(session: aiohttp.ClientSession) -> None:
+async def test_a_replica_slow_to_open_holds_up_no_other(session: Client) -> None:
     """Opening a socket waits for the replica's `/v1/zmq`: one that does not answer it yet
     leaves calls to the others alone."""
     release = asyncio.Event()
@@ -297,7 +301,7 @@ async def test_a_replica_slow_to_open_holds_up_no_other(session: aiohttp.ClientS
     for s in servers:
         await s.start_server()
     pool = Pool("derender", tuple(str(s.make_url("")).rstrip("/") for s in servers))
-    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS)
+    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         held = asyncio.ensure_future(transport.stream(call(1)))  # least in flight: the first
         await asyncio.sleep(0.05)

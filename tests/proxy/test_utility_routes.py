@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -17,6 +16,7 @@ from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post
+from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Pools
@@ -89,19 +89,19 @@ async def proxy_for(
         prefill=Pool("prefill", ()),
         decode=Pool("decode", ()),
     )
-    session = aiohttp.ClientSession()
+    client = Client()
     policy, metrics = RetryPolicy(sleep=False), ProxyMetrics()
-    timeout = aiohttp.ClientTimeout(total=10)
+    limits = Limits(connect=10, read=10)
     app = make_base_app()
     app[HOPS] = Hops(
-        session,
+        client,
         pools,
         policy,
         metrics,
-        HttpDerender(session, pools.derender, policy, metrics),
-        Timeouts(timeout, timeout, timeout),
+        HttpDerender(client, pools.derender, policy, metrics, limits),
+        Timeouts(limits, limits, limits),
     )
-    app.on_cleanup.append(lambda _: session.close())
+    app.on_cleanup.append(lambda _: client.close())
     add_utility_routes(app)
     return Proxy(await aiohttp_client(app), pools)
 

@@ -1,0 +1,308 @@
+"""The proxy's HTTP/1.1 client (`proxy/h1.py`): its response parser as a property over every
+framing and every way reads may cut the bytes, its refusals of malformed answers, and the
+client against real aiohttp servers (keep-alive reuse, a connection the server closed while
+idle, leaving early, timeouts, an unreachable replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenline.proxy.h1 import (
+    HIGH_WATER,
+    Broken,
+    Client,
+    Limits,
+    ResponseParser,
+    Unreachable,
+    target,
+)
+
+# --------------------------------------------------------------------------- parser
+
+
+def chunked(pieces: list[bytes], extensions: bool, trailers: bool) -> bytes:
+    out = b""
+    for p in pieces:
+        ext = b";name=value" if extensions else b""
+        out += b"%x%s\r\n%s\r\n" % (len(p), ext, p)
+    out += b"0\r\n" + (b"X-Trailer: yes\r\n" if trailers else b"") + b"\r\n"
+    return out
+
+
+def cut(data: bytes, points: list[int]) -> list[bytes]:
+    """`data` as reads would cut it at `points`."""
+    bounds = sorted({min(p, len(data)) for p in points} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def feed_all(parser: ResponseParser, reads: list[bytes]) -> bytes:
+    return b"".join(b"".join(parser.feed(r)) for r in reads)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.binary(min_size=1, max_size=40), max_size=8),
+    framing=st.sampled_from(["chunked", "length", "close"]),
+    points=st.lists(st.integers(min_value=0, max_value=600), max_size=12),
+    extensions=st.booleans(),
+    trailers=st.booleans(),
+    interim=st.booleans(),
+)
+def test_any_framing_cut_anywhere_gives_the_body(
+    pieces: list[bytes],
+    framing: str,
+    points: list[int],
+    extensions: bool,
+    trailers: bool,
+    interim: bool,
+) -> None:
+    body = b"".join(pieces)
+    head = b"HTTP/1.1 100 Continue\r\n\r\n" if interim else b""
+    head += b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    if framing == "chunked":
+        raw = head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(pieces, extensions, trailers)
+    elif framing == "length":
+        raw = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    else:
+        raw = head + b"Connection: close\r\n\r\n" + body
+    parser = ResponseParser()
+    got = feed_all(parser, cut(raw, points))
+    if framing == "close":
+        assert not parser.done
+        parser.eof()
+    assert got == body
+    assert parser.done
+    assert parser.head is not None and parser.head.status == 200
+    assert parser.keep_alive == (framing != "close")
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 2x0 OK\r\n\r\n", "not an HTTP status"),
+        (b"HTTP/1.1 200 OK\r\nBad Header\r\n\r\n", "malformed header"),
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\n folded\r\n\r\n", "malformed header"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\n", "malformed Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "malformed Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", "after the end"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", "CRLF"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nX", "after the end"),
+        (b"HTTP/1.1 200 OK\r\n" + b"A: " + b"x" * 70_000, "head over"),
+    ],
+)
+def test_a_malformed_answer_is_refused(raw: bytes, message: str) -> None:
+    with pytest.raises(Broken, match=message):
+        ResponseParser().feed(raw)
+
+
+def test_an_answer_cut_short_is_broken_and_one_without_a_body_is_done() -> None:
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+    with pytest.raises(Broken, match="closed before the answer ended"):
+        parser.eof()
+    parser = ResponseParser()
+    assert parser.feed(b"HTTP/1.1 204 No Content\r\n\r\n") == []
+    assert parser.done and parser.keep_alive
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+    assert parser.done and not parser.keep_alive
+    parser = ResponseParser()  # both framings: read as chunked, never reused
+    parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n")
+    assert parser.framing == "chunked" and not parser.keep_alive
+
+
+def test_urls_and_headers() -> None:
+    t = target("http://[::1]:8000/v1/x?a=1")
+    assert t.origin == ("http", "::1", 8000) and t.path == "/v1/x?a=1"
+    assert t.host_header == "[::1]:8000"
+    assert target("https://example.test").origin == ("https", "example.test", 443)
+    with pytest.raises(ValueError, match="not an http"):
+        target("ftp://host/x")
+
+
+# --------------------------------------------------------------------------- client
+
+
+class Upstream:
+    """A small real server: echoes, streams, hangs; records the peers it saw."""
+
+    def __init__(self) -> None:
+        self.peers: list[tuple[str, int]] = []
+        self.gone = asyncio.Event()
+        self.app = web.Application()
+        self.app.router.add_post("/echo", self.echo)
+        self.app.router.add_get("/stream", self.stream)
+        self.app.router.add_get("/hang", self.hang)
+        self.app.router.add_get("/big", self.big)
+
+    def _saw(self, request: web.Request) -> None:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        self.peers.append(tuple(peer[:2]) if peer else ("?", 0))
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self._saw(request)
+        body = await request.read()
+        seen = f"{request.host} {request.path_qs} {request.headers.get('X-Test')} ".encode()
+        return web.Response(body=seen + body)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        self._saw(request)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        try:
+            for i in range(int(request.query.get("n", "3"))):
+                await resp.write(b"data: %d\n\n" % i)
+                await asyncio.sleep(float(request.query.get("gap", "0")))
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.gone.set()
+            raise
+        return resp
+
+    async def hang(self, request: web.Request) -> web.Response:
+        self._saw(request)
+        await asyncio.sleep(30)
+        return web.Response()
+
+    async def big(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * (4 * HIGH_WATER))
+
+
+@contextlib.asynccontextmanager
+async def served(upstream: Upstream) -> AsyncIterator[str]:
+    server = TestServer(upstream.app)
+    await server.start_server()
+    client_url = str(server.make_url("")).rstrip("/")
+    try:
+        yield client_url
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    c = Client()
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_a_post_is_answered_and_its_connection_reused(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url:
+        for i in range(3):
+            async with client.request(
+                "POST", url + "/echo?q=1", b"body %d" % i, {"X-Test": "t"}
+            ) as resp:
+                assert resp.status == 200
+                host = url.removeprefix("http://")
+                assert await resp.read() == f"{host} /echo?q=1 t body {i}".encode()
+        assert len(up.peers) == 3 and len(set(up.peers)) == 1  # one connection, kept
+
+
+async def test_a_stream_comes_as_it_is_sent(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url, client.request("GET", url + "/stream?n=4&gap=0.01") as resp:
+        got = [data async for data in resp.chunks()]
+    assert b"".join(got) == b"".join(b"data: %d\n\n" % i for i in range(4))
+    assert len(got) >= 2  # pieces as they arrived, not one body at the end
+
+
+async def test_leaving_a_stream_early_closes_its_connection(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url:
+        async with client.request("GET", url + "/stream?n=1000&gap=0.01") as resp:
+            async for _ in resp.chunks():
+                break
+        await asyncio.wait_for(up.gone.wait(), 5)  # the server saw the client go
+        async with client.request("POST", url + "/echo", b"next") as resp:
+            assert (await resp.read()).endswith(b"next")
+        assert len(set(up.peers)) == 2  # the stream's connection was not reused
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced(client: Client) -> None:
+    """The race every keep-alive client meets: the server closes an idle connection just as a
+    request goes out on it. Nothing of an answer came, so the request goes once more, on a new
+    connection (here: a server that answers each connection's first request only)."""
+    connections = 0
+
+    async def once_per_connection(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await reader.readuntil(b"\r\n\r\n")  # the next request: closed unanswered
+        except asyncio.IncompleteReadError:
+            pass  # the client closed it (at the end)
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+    server = await asyncio.start_server(once_per_connection, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+    try:
+        for _ in range(3):
+            async with client.request("GET", url) as resp:
+                assert await resp.read() == b"ok"
+        assert connections == 3
+    finally:
+        await client.close()
+        await asyncio.sleep(0.05)  # the handlers see the close and end
+        server.close()
+        await server.wait_closed()
+
+
+async def test_silence_longer_than_the_read_limit_times_out(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url:
+        with pytest.raises(TimeoutError):
+            async with client.request("GET", url + "/hang", limits=Limits(read=0.2)) as resp:
+                await resp.read()
+        with pytest.raises(TimeoutError):  # between chunks too
+            async with client.request(
+                "GET", url + "/stream?n=3&gap=1", limits=Limits(read=0.2)
+            ) as resp:
+                await resp.read()
+        # a slow caller is not a silent server: reads stop, the limit only runs while it waits
+        async with client.request("GET", url + "/stream?n=3", limits=Limits(read=0.2)) as resp:
+            await asyncio.sleep(0.5)
+            assert b"data: 2" in await resp.read()
+
+
+async def test_an_unreachable_replica(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url:
+        pass  # the server is gone: nothing listens on its port now
+    with pytest.raises(Unreachable):
+        async with client.request("GET", url + "/stream"):
+            pass
+
+
+async def test_a_body_read_far_behind_pauses_the_socket(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url, client.request("GET", url + "/big") as resp:
+        await asyncio.sleep(0.3)
+        (conn,) = client.open
+        assert conn.paused and conn.buffered <= 2 * HIGH_WATER
+        assert len(await resp.read()) == 4 * HIGH_WATER
+
+
+async def test_a_header_that_would_split_the_request_is_refused(client: Client) -> None:
+    with pytest.raises(ValueError, match="cannot be sent"):
+        async with client.request("POST", "http://127.0.0.1:1/x", b"", {"X": "a\r\nB: c"}):
+            pass
