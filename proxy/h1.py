@@ -164,35 +164,41 @@ class ResponseParser:
             state = self._state
             if state == "data":
                 take = min(self._left, size - pos)
-                if take:
-                    out.append(buf[pos : pos + take])
+                out.append(buf[pos : pos + take])
                 pos += take
                 self._left -= take
                 if self._left:
                     break
                 self._state = "crlf"
-            elif state == "size" or state == "trailer" or state == "crlf":
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    rest = buf[pos:]
-                    if len(rest) > MAX_CHUNK_LINE:
-                        raise Broken(f"a chunk line over {MAX_CHUNK_LINE} bytes")
-                    self._buf = rest
-                    break
-                line = buf[pos:eol]
-                pos = eol + 2
-                if state == "crlf":
-                    if line:
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                rest = buf[pos:]
+                if len(rest) > MAX_CHUNK_LINE:
+                    raise Broken(f"a chunk line over {MAX_CHUNK_LINE} bytes")
+                self._buf = rest
+                break
+            line = buf[pos:eol]
+            pos = eol + 2
+            if state == "size":
+                n = _chunk_size(line)
+                end = pos + n
+                if n and end + 2 <= size:  # the whole chunk is here (a stream's usual read)
+                    if buf[end : end + 2] != b"\r\n":
                         raise Broken("a chunk not followed by CRLF")
-                    self._state = "size"
-                elif state == "size":
-                    self._left = _chunk_size(line)
-                    self._state = "data" if self._left else "trailer"
-                elif not line:  # the blank line after the last chunk's trailers
-                    self.done = True
-                    if pos < size:
-                        raise Broken("bytes after the end of the answer")
-                    break
+                    out.append(buf[pos:end])
+                    pos = end + 2
+                else:
+                    self._left, self._state = n, "data" if n else "trailer"
+            elif state == "crlf":
+                if line:
+                    raise Broken("a chunk not followed by CRLF")
+                self._state = "size"
+            elif not line:  # trailer: the blank line after the last chunk's trailers
+                self.done = True
+                if pos < size:
+                    raise Broken("bytes after the end of the answer")
+                break
         return out
 
 
@@ -240,8 +246,8 @@ def _content_length(value: str) -> int:
 
 
 def _chunk_size(line: bytes) -> int:
-    digits = line.split(b";", 1)[0].strip(b" \t")
-    if not digits or len(digits) > 16:
+    digits = line if line.isalnum() else line.split(b";", 1)[0].strip(b" \t")
+    if not digits.isalnum() or len(digits) > 16:  # int() would take a sign, "_" or spaces
         raise Broken(f"a malformed chunk size: {line[:50]!r}")
     try:
         return int(digits, 16)
