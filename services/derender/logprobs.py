@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenline.services.derender.texts import REPLACEMENT, Decoded, token_texts
+from tokenline.services.derender.texts import REPLACEMENT, Decoded, after_prefix, token_texts
 from tokenline.shared.limits import LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
@@ -33,6 +33,16 @@ FLOOR = -9999.0
 
 def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> str:
     texts = token_texts(tok)
+    fast = texts.corrected(token_id, context)
+    if fast is not None:
+        return fast
+    return decoded_in_windows(tok, token_id, context)
+
+
+def decoded_in_windows(tok: ModelTokenizer, token_id: int, context: Sequence[int]) -> str:
+    """vLLM's repair, decode by decode: the token after the shortest window of sampled IDs
+    before it that makes its text end on a whole character."""
+    texts = token_texts(tok)
     for n in range(1, min(len(context), LOGPROB_CONTEXT) + 1):
         window = list(context[-n:])
         full = texts.decode([*window, token_id], skip_special_tokens=False)
@@ -42,14 +52,7 @@ def correct_decoded_token(tok: ModelTokenizer, token_id: int, context: Sequence[
         while clean_end > 0 and tok.decode_one(window[clean_end - 1]).endswith(REPLACEMENT):
             clean_end -= 1
         prefix = texts.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
-        if full.startswith(prefix):
-            return full[len(prefix) :]
-        common = 0
-        for a, b in zip(prefix, full, strict=False):
-            if a != b:
-                break
-            common += 1
-        return full[common:]
+        return after_prefix(full, prefix)
     return ""
 
 

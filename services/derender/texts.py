@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from tokenizers.decoders import ByteLevel
 
+from tokenline.shared.limits import LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 
 REPLACEMENT = "\ufffd"
@@ -65,6 +67,39 @@ class TokenTexts:
             return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return b"".join(parts).decode("utf-8", "replace")  # type: ignore[arg-type]
 
+    def corrected(self, token_id: int, context: Sequence[int]) -> str | None:
+        """`logprobs.correct_decoded_token` from the byte table (its windows are joins of
+        bytes), for a plain byte-level token whose own text ends in U+FFFD with plain context;
+        None otherwise (the general path then)."""
+        plain = self.plain
+        size = len(plain)
+        tail = plain[token_id] if token_id < size else None
+        window = context[-LOGPROB_CONTEXT:]
+        found = [plain[i] if i < size else None for i in window]
+        if tail is None or None in found:
+            return None
+        parts = cast(list[bytes], found)
+        if tail[0] < 0x80 or tail[0] >= 0xC0:
+            # UTF-8 starts afresh at a byte that cannot continue a character: whatever came
+            # before decodes on its own, so every window ends as the token alone does
+            return "" if tail.decode("utf-8", "replace").endswith(REPLACEMENT) else None
+        before = b""
+        for n in range(1, len(parts) + 1):
+            before = parts[-n] + before
+            full = (before + tail).decode("utf-8", "replace")
+            if full.endswith(REPLACEMENT):
+                continue
+            first = len(parts) - n  # the window is window[first:]
+            clean_end = n  # ... without its trailing tokens whose own text ends in U+FFFD
+            while clean_end and self._ends_cut(window[first + clean_end - 1]):
+                clean_end -= 1
+            prefix = b"".join(parts[first : first + clean_end]).decode("utf-8", "replace")
+            return after_prefix(full, prefix)
+        return ""
+
+    def _ends_cut(self, token_id: int) -> bool:
+        return self.tok.decode_one(token_id).endswith(REPLACEMENT)
+
     def own_text(self, token_id: int) -> str | None:
         """The text `token_id` adds after text ending on a character boundary, when that is
         its own text (None: decode the window)."""
@@ -90,6 +125,18 @@ class TokenTexts:
                 return None
             found = self.decoded[token_id] = Decoded(text, list(text.encode("utf-8", "replace")))
         return found
+
+
+def after_prefix(full: str, prefix: str) -> str:
+    """What `full` adds after `prefix` (after their common start, if it does not start so)."""
+    if full.startswith(prefix):
+        return full[len(prefix) :]
+    common = 0
+    for a, b in zip(prefix, full, strict=False):
+        if a != b:
+            break
+        common += 1
+    return full[common:]
 
 
 def _byte_chars() -> dict[str, int]:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenline.services.derender.logprobs import decoded_in_windows
 from tokenline.services.derender.texts import TokenTexts, token_texts
 from tokenline.shared.tokenizer import ModelTokenizer
 
@@ -72,3 +73,23 @@ def windows(draw: Any, tok: ModelTokenizer) -> list[int]:
 def test_window_decodes_equal_the_tokenizers(tok: ModelTokenizer, data: Any, skip: bool) -> None:
     ids = data.draw(windows(tok))
     assert token_texts(tok).decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(
+    max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_the_byte_table_repair_equals_decoding_window_by_window(
+    tok: ModelTokenizer, data: Any
+) -> None:
+    """`TokenTexts.corrected` (the fast path of a logprob token's U+FFFD repair) answers as
+    the repair done with the tokenizer's decodes does, or leaves it to it."""
+    texts = token_texts(tok)
+    cut = [i for i in _partial(texts) if tok.decode_one(i).endswith("\ufffd")]
+    token_id = data.draw(st.sampled_from(cut))
+    context = data.draw(windows(tok))
+    fast = texts.corrected(token_id, context)
+    plain = all(i < len(texts.plain) and texts.plain[i] is not None for i in context[-4:])
+    assert (fast is None) == (not plain)
+    if fast is not None:
+        assert fast == decoded_in_windows(tok, token_id, context)
