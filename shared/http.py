@@ -6,6 +6,7 @@ Nothing here knows about a particular hop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import signal
@@ -64,9 +65,18 @@ async def read_json_body(request: web.Request) -> bytes:
 
 def make_base_app(outer: list[Any] | None = None, max_body: int = MAX_BODY) -> web.Application:
     """An app whose errors are mapped; `outer` middlewares (metrics, auth) run around that."""
-    return web.Application(
-        middlewares=[*(outer or []), errors_middleware], client_max_size=max_body
-    )
+    app = web.Application(middlewares=[*(outer or []), errors_middleware], client_max_size=max_body)
+    app.on_startup.append(freeze_heap)  # after the app's own startup (its cleanup contexts)
+    return app
+
+
+async def freeze_heap(app: web.Application) -> None:
+    """What a started service holds for its lifetime (imported modules, its tokenizer and
+    tables) leaves the garbage collector's generations: a full collection then walks only what
+    requests allocate, not the whole heap (derender's collections took 3.4% of its time under
+    the hop bench, py-spy)."""
+    gc.collect()
+    gc.freeze()
 
 
 def run(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
