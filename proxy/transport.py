@@ -101,13 +101,13 @@ class BatchedDerender(HttpDerender):
     """Streaming calls gathered across streams into one batch per derender replica.
 
     An engine step gives every running stream a token, but the chunks reach the proxy spread
-    over a millisecond or two (one write per stream), in different event-loop turns. A batch
+    over a few milliseconds (one write per stream), in different event-loop turns. A batch
     goes out once every stream that could still join has a call waiting (the streams held
     `streaming()` minus those waiting for an answer), or `wait` seconds after its first call:
     each stream's chunks are then late by the same short time, so the gaps between them (ITL)
     stay as the engine made them."""
 
-    wait: float = 0.002
+    wait: float = 0.006
     waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
     flushing: set[asyncio.Task[None]] = field(default_factory=set)
     streams: int = 0
