@@ -12,12 +12,14 @@ Content-Length, chunked transfer coding, or the connection's end (`ResponseParse
 Limits: a connect timeout, and a read timeout (the longest silence while the caller waits for
 bytes); never a total, so a healthy long stream is never cut. A caller that leaves before the
 answer's end (cancelled, `close()`) closes its connection: that is how an engine request is
-aborted. A connection reused from the pool that the server had already closed is retried once on
-a new one (nothing of the answer had arrived). An answer the caller reads far behind its arrival
+aborted. Kept connections idle longer than `KEEPALIVE` are closed, before the servers' own
+keep-alive limits (vLLM's uvicorn: 5 s) would close them under a request; a GET whose kept
+connection broke before any byte of its answer goes once more on a new one (a POST never: the
+server may have taken it). An answer the caller reads far behind its arrival
 stops the socket's reads (TCP then holds the sender back).
 
-What it does not do: redirects, cookies, compression, proxies, pipelining, HTTP/2; a 1xx answer
-is skipped. Control-plane calls (health checks, aborts, `/v1/models`) stay on aiohttp.
+What it does not do: redirects (a 3xx is the caller's to refuse), cookies, compression (an
+encoded answer is refused), proxies, pipelining, HTTP/2; an interim 1xx answer is skipped.
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ MAX_CHUNK_LINE = 4096
 """Bytes a chunk-size line (with its extensions) may take."""
 HIGH_WATER = 1 << 20
 """Unread answer bytes at which the socket stops reading until the caller catches up."""
-KEEPALIVE = 60.0
-"""Seconds an idle connection is kept for reuse."""
+KEEPALIVE = 4.0
+"""Seconds an idle connection is kept for reuse: under vLLM's 5 s (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`,
+uvicorn's default), so a server rarely closes one as a request goes out on it."""
+HEX = b"0123456789abcdefABCDEF"
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
+"""Methods sent again after a kept connection broke under them (RFC 9110 9.2.2)."""
 
 
 class HttpClientError(Exception):
@@ -51,6 +57,10 @@ class Unreachable(HttpClientError):
 
 class Broken(HttpClientError):
     """The connection ended or broke before the answer did, or the answer is not HTTP/1.x."""
+
+
+class Unsendable(HttpClientError):
+    """The request cannot be written (a URL or header HTTP/1.1 cannot carry)."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +130,12 @@ class ResponseParser:
                     raise Broken(f"an answer's head over {MAX_HEAD} bytes")
                 self._buf = buf
                 return b""
+            if end > MAX_HEAD:
+                raise Broken(f"an answer's head over {MAX_HEAD} bytes")
             head = parse_head(buf[:end])
             buf = buf[end + 4 :]
+            if head.status == 101:
+                raise Broken("the server switched protocols")
             if 100 <= head.status < 200:
                 continue  # an interim answer: the real one follows
             self.head = head
@@ -132,8 +146,10 @@ class ResponseParser:
         """How the body is delimited (RFC 9112 section 6.3; a HEAD request is never sent)."""
         self.keep_alive = head.version == b"HTTP/1.1" and "close" not in head.tokens("connection")
         coding = head.tokens("transfer-encoding")
+        if head.tokens("content-encoding") not in ([], ["identity"]):
+            raise Broken(f"an encoded answer ({head.fields['content-encoding']}), never asked for")
         if head.status in (204, 304):
-            self.framing, self.done = "none", True
+            self.framing, self._state, self.done = "none", "body", True
         elif coding:
             if coding[-1] == "chunked":
                 self.framing, self._state = "chunked", "size"
@@ -178,6 +194,8 @@ class ResponseParser:
                     raise Broken(f"a chunk line over {MAX_CHUNK_LINE} bytes")
                 self._buf = rest
                 break
+            if eol - pos > MAX_CHUNK_LINE:
+                raise Broken(f"a chunk line over {MAX_CHUNK_LINE} bytes")
             line = buf[pos:eol]
             pos = eol + 2
             if state == "size":
@@ -240,14 +258,14 @@ def parse_head(raw: bytes) -> Head:
 
 def _content_length(value: str) -> int:
     values = {v.strip() for v in value.split(",")}  # repeated, they must agree
-    if len(values) != 1 or not (text := values.pop()).isdigit():
+    if len(values) != 1 or not (text := values.pop()).isascii() or not text.isdigit():
         raise Broken(f"a malformed Content-Length: {value[:50]!r}")
     return int(text)
 
 
 def _chunk_size(line: bytes) -> int:
-    digits = line if line.isalnum() else line.split(b";", 1)[0].strip(b" \t")
-    if not digits.isalnum() or len(digits) > 16:  # int() would take a sign, "_" or spaces
+    digits = line.split(b";", 1)[0].strip(b" \t") if line.translate(None, HEX) else line
+    if not digits or len(digits) > 16 or digits.translate(None, HEX):  # int() would take more
         raise Broken(f"a malformed chunk size: {line[:50]!r}")
     try:
         return int(digits, 16)
@@ -272,14 +290,20 @@ class Target:
 @functools.lru_cache(maxsize=4096)
 def target(url: str) -> Target:
     """A URL's origin, Host header and path (cached: a replica's few URLs recur per call)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        raise Unsendable(f"not a URL: {url!r}: {exc}") from None
+    host = parts.hostname
+    if parts.scheme not in ("http", "https") or not host:
+        raise Unsendable(f"not an http(s) URL: {url!r}")
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
-    return Target((parts.scheme, parts.hostname, port), parts.netloc, path)
+    shown = f"[{host}]" if ":" in host else host  # Host: no userinfo; IPv6 in brackets
+    host_header = f"{shown}:{parts.port}" if parts.port else shown
+    return Target((parts.scheme, host, port), host_header, path)
 
 
 class _Connection(asyncio.Protocol):
@@ -340,9 +364,11 @@ class _Connection(asyncio.Protocol):
         parser = self.parser
         if parser is not None and self.error is None and not parser.done:
             try:
+                if exc is not None:  # a reset is no end of a body, even one that runs to it
+                    raise Broken(f"the connection broke: {exc!r}")
                 parser.eof()
             except Broken as broken:
-                self.error = broken if exc is None else Broken(f"{broken}: {exc!r}")
+                self.error = broken
         self._wake()
 
     # the caller's side
@@ -353,7 +379,8 @@ class _Connection(asyncio.Protocol):
             self.idle_timer.cancel()
             self.idle_timer = None
         self.parser = ResponseParser()
-        self.pieces, self.buffered, self.received, self.error = [], 0, False, None
+        self.received, self.error = False, None
+        self.take()  # nothing of an earlier answer is left to read, and reading goes on
         self.read_timeout = read_timeout
         self.activity = self.loop.time()
         if read_timeout is not None:
@@ -399,6 +426,7 @@ class _Connection(asyncio.Protocol):
             self.watchdog = None
         if self.reusable():
             self.parser = None
+            self.take()  # a body left unread: dropped, and reading (maybe paused) resumed
             self.idle_timer = self.loop.call_later(KEEPALIVE, self._close)
             self.client.release(self)
         else:
@@ -474,6 +502,7 @@ class Client:
     def __init__(self) -> None:
         self.idle: dict[Origin, list[_Connection]] = {}
         self.open: set[_Connection] = set()
+        self.closed = False
         self._tls: ssl.SSLContext | None = None
 
     @contextlib.asynccontextmanager
@@ -490,24 +519,25 @@ class Client:
         limits = limits or NO_LIMITS
         to = target(url)
         request = _request_bytes(method, to, body, headers)
-        conn, head = await self._answered(to.origin, request, limits)
+        conn, head = await self._answered(to.origin, request, limits, method in IDEMPOTENT)
         try:
             yield Response(conn, head)
         finally:
             conn.finish()
 
     async def _answered(
-        self, origin: Origin, request: bytes, limits: Limits
+        self, origin: Origin, request: bytes, limits: Limits, idempotent: bool
     ) -> tuple[_Connection, Head]:
-        """`request` sent, and its answer's head: on a kept connection if there is one (once
-        more on a new one if the server had closed that while it sat idle: no answer came)."""
+        """`request` sent, and its answer's head: on a kept connection if there is one. If
+        that one broke before any byte of the answer (the server closed it while it sat idle,
+        or it took the request and went), an idempotent request goes once more on a new one."""
         kept = self._idle(origin)
         if kept is not None:
             try:
                 return kept, await self._head(kept, request, limits.read)
             except Broken:
                 kept.finish()
-                if kept.received:
+                if kept.received or not idempotent:
                     raise
             except BaseException:
                 kept.finish()
@@ -536,6 +566,8 @@ class Client:
         return None
 
     async def _connect(self, origin: Origin, within: float | None) -> _Connection:
+        if self.closed:
+            raise Unreachable("the proxy's HTTP client is closed")
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
         tls = self._tls_context() if scheme == "https" else None
@@ -576,6 +608,7 @@ class Client:
             conn.watchdog = None
 
     async def close(self) -> None:
+        self.closed = True
         for conn in list(self.open):
             conn._close()
         self.idle.clear()
@@ -589,8 +622,10 @@ def _request_bytes(
     if headers:
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name or ":" in name:
-                raise ValueError(f"header {name!r} cannot be sent")
+                raise Unsendable(f"header {name!r} cannot be sent")
             lines.append(f"{name}: {value}")
     lines.append(f"Content-Length: {len(body)}")
     lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1") + body
+    # UTF-8 as aiohttp's client sends it: a client's X-Request-Id travels on byte for byte
+    # (aiohttp's server decoded it as UTF-8, undecodable bytes as surrogates)
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape") + body

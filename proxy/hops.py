@@ -61,7 +61,8 @@ class Timeouts:
     """Per hop; never a total limit, so a healthy long stream is never cut."""
 
     pure: Limits
-    """render, derender and the prefill leg: connect, then the whole answer."""
+    """render, derender and the prefill leg: connect, then the longest silence while an
+    answer comes."""
     generate_whole: Limits
     generate_stream: Limits
     """connect, then the first byte, then at most this long between chunks."""

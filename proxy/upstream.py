@@ -58,8 +58,11 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
     An answer in the error envelope is the replica working as designed on a request it could
     not serve: the client gets it as it is (`UpstreamRejected`), nothing is retried and the
     replica stays in rotation, unless its status says the replica is in trouble (408, 429,
-    502-504). Anything else (no envelope: a crash, a proxy page) is the replica's fault.
+    502-504). Anything else (no envelope: a crash, a proxy page; a redirect, which no hop
+    follows) is the replica's fault.
     """
+    if status < 400:
+        return UpstreamError(f"{role} {worker.url} answered {status}, not an answer or an error")
     try:
         envelope = ERROR.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -87,7 +90,7 @@ async def post(
             "POST", worker.url + path, body, _with_pool(pool, headers), limits
         ) as resp:
             data = await resp.read()
-            if resp.status >= 400:
+            if not 200 <= resp.status < 300:
                 raise rejected_or_failed(pool.role, worker, resp.status, data)
             return data
 
@@ -129,7 +132,7 @@ async def stream_payloads(
         async with client.request(
             "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
         ) as resp:
-            if resp.status >= 400:
+            if not 200 <= resp.status < 300:
                 raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
             with _closed_when_gone(pool.role, worker, resp):
                 events = SseEvents()

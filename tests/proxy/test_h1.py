@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -23,8 +25,12 @@ from tokenline.proxy.h1 import (
     Limits,
     ResponseParser,
     Unreachable,
+    Unsendable,
     target,
 )
+from tokenline.proxy.pool import Pool
+from tokenline.proxy.upstream import post
+from tokenline.shared.errors import UpstreamError
 
 # --------------------------------------------------------------------------- parser
 
@@ -129,7 +135,7 @@ def test_urls_and_headers() -> None:
     assert t.origin == ("http", "::1", 8000) and t.path == "/v1/x?a=1"
     assert t.host_header == "[::1]:8000"
     assert target("https://example.test").origin == ("https", "example.test", 443)
-    with pytest.raises(ValueError, match="not an http"):
+    with pytest.raises(Unsendable, match="not an http"):
         target("ftp://host/x")
 
 
@@ -305,6 +311,207 @@ async def test_a_body_read_far_behind_pauses_the_socket(client: Client) -> None:
 
 
 async def test_a_header_that_would_split_the_request_is_refused(client: Client) -> None:
-    with pytest.raises(ValueError, match="cannot be sent"):
+    with pytest.raises(Unsendable, match="cannot be sent"):
         async with client.request("POST", "http://127.0.0.1:1/x", b"", {"X": "a\r\nB: c"}):
             pass
+
+
+# --------------------------------------------------------------------------- found in review
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_body_left_unread_does_not_leave_a_pooled_connection_paused(
+    client: Client,
+) -> None:
+    """A body of HIGH_WATER+1 bytes completes in the read that pauses the socket;
+    the caller leaves without reading it, `finish` pools the connection (done, keep-alive)
+    with reading still paused, and `start` never resumes it: the next request on it is never
+    read (here: a read timeout; with no read limit, a hang)."""
+    app = web.Application()
+
+    async def big(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * (HIGH_WATER + 1))
+
+    async def small(request: web.Request) -> web.Response:
+        return web.Response(body=b"ok")
+
+    app.router.add_get("/big", big)
+    app.router.add_get("/small", small)
+    server = TestServer(app)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with client.request("GET", url + "/big") as resp:
+            await asyncio.sleep(0.3)  # the whole body is in, unread
+            assert resp.status == 200
+        (conn,) = client.open
+        assert conn in client.idle[conn.origin]  # pooled ...
+        async with client.request("GET", url + "/small", limits=Limits(read=1.0)) as resp:
+            assert await resp.read() == b"ok"  # ... and must still be readable
+    finally:
+        await server.close()
+
+
+async def test_a_close_delimited_body_cut_by_a_reset_is_broken(client: Client) -> None:
+    """`connection_lost(exc)` calls `parser.eof()` even when the connection ended
+    in an error (ECONNRESET), so a close-delimited body cut by a reset reads as complete."""
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npartial")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the client has read "partial"
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+
+    server, url = await raw_server(cut)
+    try:
+        with pytest.raises(Broken):
+            async with client.request("GET", url + "/x") as resp:
+                await resp.read()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_non_latin1_header_value_is_sent_as_aiohttp_sent_it(client: Client) -> None:
+    """a client's `X-Request-Id` (forwarded by `HopHeaders.pure`) is a str that
+    aiohttp's server decoded as UTF-8; `_request_bytes` encodes latin-1, so "日本" raises
+    UnicodeEncodeError (a ValueError, outside `translated`): the proxy answers 500 and logs
+    `unexpected.error` for the client's own header. aiohttp's client sent UTF-8."""
+    seen: list[str | None] = []
+    app = web.Application()
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("X-Request-Id"))
+        return web.Response(body=b"ok")
+
+    app.router.add_post("/echo", echo)
+    server = TestServer(app)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with client.request("POST", url + "/echo", b"{}", {"X-Request-Id": "réq-日本"}) as r:
+            assert await r.read() == b"ok"
+        assert seen == ["réq-日本"]
+    finally:
+        await server.close()
+
+
+async def test_a_post_the_server_took_is_not_sent_twice(client: Client) -> None:
+    """a kept connection on which the server read the POST and then dropped the
+    connection without an answer (a crash mid-request) has the POST sent again on a new
+    connection: `_answered` retries any method. aiohttp retried idempotent methods only
+    (RFC 9110 9.2.2)."""
+    posts = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal posts
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"POST"):
+                    posts += 1
+                    await asyncio.sleep(0.05)  # working on it ... and gone
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+    server, url = await raw_server(handler)
+    try:
+        async with client.request("GET", url + "/warm") as resp:  # leaves a kept connection
+            assert await resp.read() == b"ok"
+        with pytest.raises(Broken):
+            async with client.request("POST", url + "/generate", b"{}") as resp:
+                await resp.read()
+        assert posts == 1
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_content_length_of_non_ascii_digits_is_broken_not_value_error() -> None:
+    """latin-1 "²" passes str.isdigit() but not int(): a ValueError escapes
+    `data_received` (asyncio logs a fatal protocol error) instead of `Broken`."""
+    with pytest.raises(Broken):
+        ResponseParser().feed(b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n")
+
+
+def test_a_chunk_size_with_a_0x_prefix_is_refused() -> None:
+    """int(b"0x10", 16) == 16, so "0x10" is taken as a chunk size."""
+    with pytest.raises(Broken):
+        ResponseParser().feed(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nab\r\n0\r\n\r\n"
+        )
+
+
+def test_the_host_header_carries_no_userinfo() -> None:
+    """Host comes from netloc, so user:pass@ goes out in it."""
+    assert target("http://user:pw@10.0.0.1:8000/x").host_header == "10.0.0.1:8000"
+
+
+async def test_close_from_another_task_fails_a_waiting_reader_promptly(client: Client) -> None:
+    """`Response.close()` from another task wakes a reader waiting on body
+    bytes with Broken, and the connection is not pooled."""
+    app = web.Application()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await asyncio.sleep(30)
+        return resp
+
+    app.router.add_get("/slow", slow)
+    server = TestServer(app)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with client.request("GET", url + "/slow") as resp:
+            chunks = resp.chunks()
+            assert await anext(chunks) == b"data: 1\n\n"
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.1, resp.close)
+            with pytest.raises(Broken, match="closed by the caller"):
+                await asyncio.wait_for(anext(chunks), 2)
+        await asyncio.sleep(0)
+        assert not any(client.idle.values())
+    finally:
+        await server.close()
+
+
+async def test_a_redirect_or_other_non_answer_is_the_replicas_fault(client: Client) -> None:
+    """No hop follows a redirect: a 3xx is an upstream error, never an answer to decode."""
+    app = web.Application()
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/elsewhere")
+
+    app.router.add_post("/x", moved)
+    async with TestServer(app) as server:
+        pool = Pool("render", (str(server.make_url("")).rstrip("/"),))
+        with pytest.raises(UpstreamError, match="answered 302"):
+            await post(client, pool, pool.workers[0], "/x", b"{}", {}, Limits(1, 1))
+
+
+def test_bytes_after_an_answer_without_a_body_are_refused() -> None:
+    with pytest.raises(Broken, match="after the end"):
+        ResponseParser().feed(b"HTTP/1.1 204 No Content\r\n\r\nextra")
+
+
+def test_an_encoded_or_protocol_switching_answer_is_refused() -> None:
+    with pytest.raises(Broken, match="encoded"):
+        ResponseParser().feed(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n\r\n")
+    with pytest.raises(Broken, match="switched protocols"):
+        ResponseParser().feed(b"HTTP/1.1 101 Switching Protocols\r\n\r\n")
