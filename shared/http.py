@@ -52,7 +52,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 async def read_json_body(request: web.Request) -> bytes:
     """The raw body of a JSON request; 400 for another content type or an empty body."""
-    if request.content_type not in ("application/json", ""):
+    if not _plainly_json(request) and request.content_type not in ("application/json", ""):
         raise BadRequest(
             f"Unsupported Media Type: Only 'application/json' is allowed, got "
             f"{request.content_type!r}"
@@ -61,6 +61,14 @@ async def read_json_body(request: web.Request) -> bytes:
     if not body:
         raise BadRequest("request body is empty")
     return body
+
+
+def _plainly_json(request: web.Request) -> bool:
+    """`Content-Type: application/json` (any case, any parameters), seen without aiohttp's
+    `content_type`, which parses the header with the email package: ~100-250 us under load,
+    3.3% of the proxy's samples against a real engine (py-spy). Anything else takes that path."""
+    raw = request.headers.get("Content-Type")
+    return raw is not None and raw.partition(";")[0].strip().lower() == "application/json"
 
 
 def make_base_app(outer: list[Any] | None = None, max_body: int = MAX_BODY) -> web.Application:

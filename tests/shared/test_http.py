@@ -1,0 +1,61 @@
+"""`read_json_body`: its quick look at Content-Type accepts what aiohttp's full parse accepts, and
+everything else gets aiohttp's verdict (a 400 naming the type)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tokenline.shared.http import make_base_app, read_json_body
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any) -> Any:
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await read_json_body(request))
+
+    app = make_base_app()
+    app.router.add_post("/echo", echo)
+    return await aiohttp_client(app)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json",
+        "Application/JSON",
+        "application/json; charset=utf-8",
+        " application/json ;charset=UTF-8",
+    ],
+)
+async def test_json_is_read(client: Any, content_type: str) -> None:
+    resp = await client.post("/echo", data=b'{"a": 1}', headers={"Content-Type": content_type})
+    assert resp.status == 200 and await resp.read() == b'{"a": 1}'
+
+
+@pytest.mark.parametrize(
+    ("content_type", "seen"),
+    [
+        ("text/plain", "text/plain"),
+        ("application/jsonx", "application/jsonx"),
+        ("application/json-seq; x=1", "application/json-seq"),
+        (None, "application/octet-stream"),
+    ],
+)
+async def test_anything_else_is_a_400_naming_its_type(
+    client: Any, content_type: str | None, seen: str
+) -> None:
+    headers = {"Content-Type": content_type} if content_type else {}
+    resp = await client.post(
+        "/echo", data=b'{"a": 1}', headers=headers, skip_auto_headers=["Content-Type"]
+    )
+    body = await resp.json()
+    assert resp.status == 400
+    assert f"got {seen!r}" in body["error"]["message"]
+
+
+async def test_an_empty_body_is_a_400(client: Any) -> None:
+    resp = await client.post("/echo", data=b"", headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and "empty" in (await resp.json())["error"]["message"]
