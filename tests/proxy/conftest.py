@@ -15,6 +15,7 @@ from tests.conftest import CODER_R1, HERMES_QWEN3, Fleet
 from tokenline.launch import servers
 from tokenline.launch.bench.http import get
 from tokenline.launch.servers import Server
+from tokenline.proxy.h1 import Client
 from tokenline.services.derender.app import make_app as make_derender
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.render.app import make_app as make_render
@@ -238,3 +239,13 @@ async def tiers(tiny_model: Path) -> AsyncIterator[Tiers]:
     yield Tiers(url(render), url(derender))
     for server in (render, derender):
         await server.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    """The proxy's own HTTP client (`proxy/h1.py`), closed after the test."""
+    c = Client()
+    try:
+        yield c
+    finally:
+        await c.close()

@@ -188,23 +188,15 @@ class Upstream:
 
 
 @contextlib.asynccontextmanager
-async def served(upstream: Upstream) -> AsyncIterator[str]:
-    server = TestServer(upstream.app)
+async def served(upstream: Upstream | web.Application) -> AsyncIterator[str]:
+    """The base URL of `upstream` served for real, until the block ends."""
+    server = TestServer(upstream.app if isinstance(upstream, Upstream) else upstream)
     await server.start_server()
     client_url = str(server.make_url("")).rstrip("/")
     try:
         yield client_url
     finally:
         await server.close()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[Client]:
-    c = Client()
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def test_a_post_is_answered_and_its_connection_reused(client: Client) -> None:
@@ -343,10 +335,7 @@ async def test_a_body_left_unread_does_not_leave_a_pooled_connection_paused(
 
     app.router.add_get("/big", big)
     app.router.add_get("/small", small)
-    server = TestServer(app)
-    await server.start_server()
-    url = str(server.make_url("")).rstrip("/")
-    try:
+    async with served(app) as url:
         async with client.request("GET", url + "/big") as resp:
             await asyncio.sleep(0.3)  # the whole body is in, unread
             assert resp.status == 200
@@ -354,8 +343,6 @@ async def test_a_body_left_unread_does_not_leave_a_pooled_connection_paused(
         assert conn in client.idle[conn.origin]  # pooled ...
         async with client.request("GET", url + "/small", limits=Limits(read=1.0)) as resp:
             assert await resp.read() == b"ok"  # ... and must still be readable
-    finally:
-        await server.close()
 
 
 async def test_a_close_delimited_body_cut_by_a_reset_is_broken(client: Client) -> None:
@@ -394,15 +381,10 @@ async def test_a_non_latin1_header_value_is_sent_as_aiohttp_sent_it(client: Clie
         return web.Response(body=b"ok")
 
     app.router.add_post("/echo", echo)
-    server = TestServer(app)
-    await server.start_server()
-    url = str(server.make_url("")).rstrip("/")
-    try:
+    async with served(app) as url:
         async with client.request("POST", url + "/echo", b"{}", {"X-Request-Id": "réq-日本"}) as r:
             assert await r.read() == b"ok"
         assert seen == ["réq-日本"]
-    finally:
-        await server.close()
 
 
 async def test_a_post_the_server_took_is_not_sent_twice(client: Client) -> None:
@@ -474,10 +456,7 @@ async def test_close_from_another_task_fails_a_waiting_reader_promptly(client: C
         return resp
 
     app.router.add_get("/slow", slow)
-    server = TestServer(app)
-    await server.start_server()
-    url = str(server.make_url("")).rstrip("/")
-    try:
+    async with served(app) as url:
         async with client.request("GET", url + "/slow") as resp:
             chunks = resp.chunks()
             assert await anext(chunks) == b"data: 1\n\n"
@@ -487,8 +466,6 @@ async def test_close_from_another_task_fails_a_waiting_reader_promptly(client: C
                 await asyncio.wait_for(anext(chunks), 2)
         await asyncio.sleep(0)
         assert not any(client.idle.values())
-    finally:
-        await server.close()
 
 
 async def test_a_redirect_or_other_non_answer_is_the_replicas_fault(client: Client) -> None:
@@ -499,8 +476,8 @@ async def test_a_redirect_or_other_non_answer_is_the_replicas_fault(client: Clie
         raise web.HTTPFound("/elsewhere")
 
     app.router.add_post("/x", moved)
-    async with TestServer(app) as server:
-        pool = Pool("render", (str(server.make_url("")).rstrip("/"),))
+    async with served(app) as url:
+        pool = Pool("render", (url,))
         with pytest.raises(UpstreamError, match="answered 302"):
             await post(client, pool, pool.workers[0], "/x", b"{}", {}, Limits(1, 1))
 

@@ -3,9 +3,7 @@ health checks take replicas out and bring them back."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -46,16 +44,7 @@ def test_calls_that_never_overlap_still_spread_over_every_replica() -> None:
     assert [pool.choose().url for _ in range(4)] == ["a", "c", "c", "a"]
 
 
-@contextlib.asynccontextmanager
-async def _client() -> AsyncIterator[Client]:
-    client = Client()
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-async def test_health_checks_take_out_and_bring_back() -> None:
+async def test_health_checks_take_out_and_bring_back(client: Client) -> None:
     up = {"ok": True}
 
     async def health(request: web.Request) -> web.Response:
@@ -63,21 +52,21 @@ async def test_health_checks_take_out_and_bring_back() -> None:
 
     app = web.Application()
     app.router.add_get("/health", health)
-    async with TestServer(app) as server, _client() as session:
+    async with TestServer(app) as server:
         url = str(server.make_url("")).rstrip("/")
         pool = Pool("render", (url,))
-        await pool.check(session)
+        await pool.check(client)
         assert pool.healthy()
         up["ok"] = False
-        await pool.check(session)
+        await pool.check(client)
         assert pool.healthy()  # one failed check is not enough to eject
-        await pool.check(session)
-        await pool.check(session)
+        await pool.check(client)
+        await pool.check(client)
         assert pool.healthy() == []
         up["ok"] = True
-        await pool.check(session)
+        await pool.check(client)
         assert pool.healthy() == []  # re-admission takes passing checks
-        await pool.check(session)
+        await pool.check(client)
         assert [w.breaker.state for w in pool.workers] == ["half_open"]
         (worker,) = pool.healthy()  # half open: one probe request at a time
         with pool.lease(worker):
@@ -86,19 +75,19 @@ async def test_health_checks_take_out_and_bring_back() -> None:
         assert [w.breaker.state for w in pool.workers] == ["closed"]
 
 
-async def test_a_new_replica_enters_after_its_first_passing_check() -> None:
+async def test_a_new_replica_enters_after_its_first_passing_check(client: Client) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     app = web.Application()
     app.router.add_get("/health", health)
-    async with TestServer(app) as server, _client() as session:
+    async with TestServer(app) as server:
         url = str(server.make_url("")).rstrip("/")
         pool = Pool("render", ("http://localhost:1",))
         pool.urls = (url,)  # as if DNS now answered with a new address
         await pool.resolve()
         assert pool.healthy() == [] and pool.serving() == []
-        await pool.check(session)
+        await pool.check(client)
         assert len(pool.healthy()) == 1
 
 

@@ -81,15 +81,6 @@ class FakeDerender:
         return web.json_response(body, status=400 if "error" in body else 200)
 
 
-@pytest.fixture
-async def session() -> AsyncIterator[Client]:
-    client = Client()
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
 async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
     servers = [TestServer(f.app) for f in fakes]
     for s in servers:
@@ -99,11 +90,11 @@ async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
 
 @contextlib.asynccontextmanager
 async def batched(
-    session: Client, fakes: list[FakeDerender], wait: float = 0.002
+    client: Client, fakes: list[FakeDerender], wait: float = 0.002
 ) -> AsyncIterator[tuple[BatchedDerender, Pool]]:
     """A batched transport over `fakes` served for real, closed after."""
     pool, servers = await serve(fakes)
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS, wait=wait)
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS, wait=wait)
     try:
         yield transport, pool
     finally:
@@ -113,10 +104,10 @@ async def batched(
 
 
 async def test_one_turn_of_calls_is_one_batch_per_replica(
-    session: Client,
+    client: Client,
 ) -> None:
     fakes = [FakeDerender(), FakeDerender()]
-    async with batched(session, fakes) as (transport, _):
+    async with batched(client, fakes) as (transport, _):
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(10)))
         assert [_content(a) for a in answers] == [str(t) for t in range(10)]
         assert sorted(fakes[0].batches + fakes[1].batches) == [5, 5]
@@ -125,12 +116,12 @@ async def test_one_turn_of_calls_is_one_batch_per_replica(
 
 
 async def test_a_batch_waits_for_the_streams_still_to_come(
-    session: Client,
+    client: Client,
 ) -> None:
     """Chunks of one engine step reach the proxy over a few event-loop turns: a call waits
     (at most `wait`) for every stream holding `streaming()`, then they all go in one batch."""
     fake = FakeDerender()
-    async with batched(session, [fake], wait=5.0) as (transport, _):
+    async with batched(client, [fake], wait=5.0) as (transport, _):
         with transport.streaming(), transport.streaming(), transport.streaming():
             first = asyncio.ensure_future(transport.stream(call(1)))
             await asyncio.sleep(0.05)  # many turns: the third stream's chunk has not come
@@ -143,12 +134,12 @@ async def test_a_batch_waits_for_the_streams_still_to_come(
 
 
 async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
-    session: Client,
+    client: Client,
 ) -> None:
     """A stream that gets no chunk this step (or ends) holds the others back at most `wait`."""
     fake = FakeDerender()
     loop = asyncio.get_running_loop()
-    async with batched(session, [fake], wait=0.05) as (transport, _):
+    async with batched(client, [fake], wait=0.05) as (transport, _):
         with transport.streaming(), transport.streaming():
             start = loop.time()
             await transport.stream(call(1))
@@ -165,9 +156,9 @@ async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
         assert fake.batches == [1, 1]
 
 
-async def test_an_items_error_is_that_items_alone(session: Client) -> None:
+async def test_an_items_error_is_that_items_alone(client: Client) -> None:
     fake = FakeDerender()
-    async with batched(session, [fake]) as (transport, pool):
+    async with batched(client, [fake]) as (transport, pool):
         results = await asyncio.gather(
             *(transport.stream(call(t)) for t in (1, 666, 2)), return_exceptions=True
         )
@@ -177,10 +168,10 @@ async def test_an_items_error_is_that_items_alone(session: Client) -> None:
         assert pool.healthy() == pool.workers  # a request's fault never ejects a replica
 
 
-async def test_a_failing_replica_is_retried_elsewhere(session: Client) -> None:
+async def test_a_failing_replica_is_retried_elsewhere(client: Client) -> None:
     broken, fine = FakeDerender(fail=True), FakeDerender()
     pool, servers = await serve([broken, fine])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
         assert len(answers) == 4 and sum(fine.batches) == 4
@@ -191,10 +182,10 @@ async def test_a_failing_replica_is_retried_elsewhere(session: Client) -> None:
 
 
 async def test_no_replica_answering_fails_every_waiting_call(
-    session: Client,
+    client: Client,
 ) -> None:
     pool, servers = await serve([FakeDerender(fail=True)])
-    transport = BatchedDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         results = await asyncio.gather(
             *(transport.stream(call(t)) for t in range(3)), return_exceptions=True
@@ -206,10 +197,10 @@ async def test_no_replica_answering_fails_every_waiting_call(
             await s.close()
 
 
-async def test_http_sends_the_clients_own_bytes(session: Client) -> None:
+async def test_http_sends_the_clients_own_bytes(client: Client) -> None:
     fake = FakeDerender()
     pool, servers = await serve([fake])
-    transport = HttpDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    transport = HttpDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         got = await transport.stream(call(5))
         assert _content(got) == "5"
@@ -248,7 +239,7 @@ def _content(answer: Any) -> str | None:
     return content
 
 
-async def test_first_zmq_calls_at_once_share_one_socket(session: Client) -> None:
+async def test_first_zmq_calls_at_once_share_one_socket(client: Client) -> None:
     """Calls that find no socket to a replica yet wait for the one opened first: each opened
     its own before, the last replaced the others and they leaked (`close` then hung)."""
     app = web.Application()
@@ -262,7 +253,7 @@ async def test_first_zmq_calls_at_once_share_one_socket(session: Client) -> None
     server = TestServer(app)
     await server.start_server()
     pool = Pool("derender", (str(server.make_url("")).rstrip("/"),))
-    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     opened = []
     socket = transport.context.socket
 
@@ -280,7 +271,7 @@ async def test_first_zmq_calls_at_once_share_one_socket(session: Client) -> None
         await server.close()
 
 
-async def test_a_replica_slow_to_open_holds_up_no_other(session: Client) -> None:
+async def test_a_replica_slow_to_open_holds_up_no_other(client: Client) -> None:
     """Opening a socket waits for the replica's `/v1/zmq`: one that does not answer it yet
     leaves calls to the others alone."""
     release = asyncio.Event()
@@ -301,7 +292,7 @@ async def test_a_replica_slow_to_open_holds_up_no_other(session: Client) -> None
     for s in servers:
         await s.start_server()
     pool = Pool("derender", tuple(str(s.make_url("")).rstrip("/") for s in servers))
-    transport = ZmqDerender(session, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
     try:
         held = asyncio.ensure_future(transport.stream(call(1)))  # least in flight: the first
         await asyncio.sleep(0.05)
