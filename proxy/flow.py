@@ -289,9 +289,10 @@ class DerenderView:
         return cls(raw, kind.client_request.decode(raw))
 
 
-@dataclass(frozen=True)
-class StreamCall:
-    """One streaming derender call: a generate chunk with the state of the previous call.
+class StreamCall(msgspec.Struct, frozen=True):
+    """One streaming derender call: a generate chunk with the state of the previous call
+    (a Struct, not a dataclass: one is made per token, and a frozen dataclass's `__init__` cost
+    ~1-2 us of the proxy's CPU per token).
 
     `client_raw` is the client's request as derender needs it, in JSON (sent as it is over
     JSON transports, never re-encoded); `client` is the same request decoded (for binary
@@ -366,8 +367,7 @@ class ChoiceProgress:
     """The engine's output so far: what a migration continues from (`proxy/migration.py`)."""
 
 
-@dataclass(frozen=True)
-class Emission:
+class Emission(msgspec.Struct, frozen=True):
     """A chunk for the client and the completion tokens it accounts for (for per-token ITL)."""
 
     chunk: ClientChunk | msgspec.Raw

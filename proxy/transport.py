@@ -90,8 +90,7 @@ class HttpDerender:
         return None
 
 
-@dataclass
-class _Pending:
+class _Pending(msgspec.Struct):
     call: StreamCall
     answer: asyncio.Future[StreamAnswer]
 
