@@ -3,6 +3,7 @@ everything else gets aiohttp's verdict (a 400 naming the type)."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -59,3 +60,15 @@ async def test_anything_else_is_a_400_naming_its_type(
 async def test_an_empty_body_is_a_400(client: Any) -> None:
     resp = await client.post("/echo", data=b"", headers={"Content-Type": "application/json"})
     assert resp.status == 400 and "empty" in (await resp.json())["error"]["message"]
+
+
+async def test_a_started_service_freezes_what_it_holds(aiohttp_client: Any) -> None:
+    """Once the app has started, its long-lived objects are out of the collector's generations
+    (`freeze_heap`), so a full collection walks only what requests allocate."""
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    await aiohttp_client(make_base_app())
+    try:
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
