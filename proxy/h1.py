@@ -1,10 +1,11 @@
-"""The proxy's HTTP/1.1 client for its data-plane hops: lean where aiohttp's is general.
+"""The proxy's HTTP/1.1 client for every upstream call: lean where aiohttp's is general.
 
-Why its own: every render call, derender batch and generate stream goes through it, so its cost
-is CPU per token. Measured on the 2-core dev box (uvloop, loopback, a 2 KB POST answered by an
-aiohttp server, keep-alive): aiohttp's `ClientSession.post` cost the caller 163-183 us of CPU per
-round trip, this client's protocol 42-46 us; an SSE chunk read 10-15 us per chunk through
-aiohttp's `StreamReader`, 8-11 through a protocol that parses as bytes arrive.
+Why its own: every render call, derender batch and generate stream goes through it (health
+checks and aborts too), so its cost is CPU per token. Measured on the 2-core dev box (uvloop,
+loopback, a 2 KB POST answered by an aiohttp server, keep-alive): aiohttp's
+`ClientSession.post` cost the caller 163-183 us of CPU per round trip, this client's protocol
+42-46 us; an SSE chunk read 10-15 us per chunk through aiohttp's `StreamReader`, 8-11 through a
+protocol that parses as bytes arrive.
 
 What it does: HTTP/1.1 over TCP or TLS; keep-alive connections per origin, the most recently used
 first; a request body is bytes sent with its Content-Length; an answer's body is framed by
@@ -15,8 +16,8 @@ answer's end (cancelled, `close()`) closes its connection: that is how an engine
 aborted. Kept connections idle longer than `KEEPALIVE` are closed, before the servers' own
 keep-alive limits (vLLM's uvicorn: 5 s) would close them under a request; a GET whose kept
 connection broke before any byte of its answer goes once more on a new one (a POST never: the
-server may have taken it). An answer the caller reads far behind its arrival
-stops the socket's reads (TCP then holds the sender back).
+server may have taken it). An answer the caller reads far behind its arrival stops the socket's
+reads (TCP then holds the sender back).
 
 What it does not do: redirects (a 3xx is the caller's to refuse), cookies, compression (an
 encoded answer is refused), proxies, pipelining, HTTP/2; an interim 1xx answer is skipped.
