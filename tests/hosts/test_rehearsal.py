@@ -35,6 +35,9 @@ def body(i: int, max_tokens: int = SHORT) -> dict[str, Any]:
         "model": SERVED,
         "messages": [{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}],
         "max_tokens": max_tokens,
+        # long streams run to max_tokens (no early EOS), so that the streams on a decode engine
+        # killed mid-stream are still running when the kill comes, whichever engine they got
+        "ignore_eos": max_tokens >= LONG,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
