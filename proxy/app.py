@@ -33,7 +33,13 @@ from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDe
 from tokenline.proxy.upstream import translated
 from tokenline.proxy.utility import add_utility_routes
 from tokenline.shared.errors import ShuttingDown, Unauthorized
-from tokenline.shared.http import Handler, error_response, json_response, make_base_app
+from tokenline.shared.http import (
+    Handler,
+    error_response,
+    frozen_once_started,
+    json_response,
+    make_base_app,
+)
 from tokenline.shared.metrics import CLIENT_GONE
 
 log = logging.getLogger(__name__)
@@ -271,7 +277,7 @@ def make_app(config: ProxyConfig) -> web.Application:
 
 async def serve(config: ProxyConfig) -> None:
     """Serve the proxy until SIGTERM or SIGINT, then drain (see the module's docstring)."""
-    app = make_app(config)
+    app = frozen_once_started(make_app(config))
     runner = web.AppRunner(
         app,
         handle_signals=False,

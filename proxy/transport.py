@@ -115,6 +115,9 @@ class BatchedDerender(HttpDerender):
     """Calls sent and not yet answered (their streams cannot join the next batch)."""
     flush: asyncio.Handle | None = None
     """The batch's send, scheduled: at the end of this turn, or when `wait` runs out."""
+    timed: bool = False
+    """`flush` is the `wait` timer (uvloop's timer handles are no `asyncio.TimerHandle`, so the
+    type cannot tell)."""
     loop: asyncio.AbstractEventLoop | None = None
     """The running loop, looked up once: on Python 3.11 `asyncio.get_running_loop()` makes a
     getpid() system call, which (twice per chunk) took 2-3% of the proxy's time (py-spy)."""
@@ -140,13 +143,15 @@ class BatchedDerender(HttpDerender):
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         pending = sum(len(items) for items in self.waiting.values())
         if pending >= self.streams - self.answering:
-            if isinstance(self.flush, asyncio.TimerHandle):
+            if self.flush is not None and self.timed:
                 self.flush.cancel()
                 self.flush = None
             if self.flush is None:
                 self.flush = loop.call_soon(self._flush)  # after this turn's other callers
+                self.timed = False
         elif self.flush is None:
             self.flush = loop.call_later(self.wait, self._flush)
+            self.timed = True
 
     def _flush(self) -> None:
         self.flush = None

@@ -43,7 +43,7 @@ def translated(role: str, worker: Worker) -> Iterator[None]:
     try:
         yield
     except TimeoutError as exc:
-        raise UpstreamTimeout(f"{role} {worker.url} timed out: {exc}") from exc
+        raise UpstreamTimeout(f"{role} {worker.url} timed out: {exc!r}") from exc
     except Unreachable as exc:
         raise UpstreamUnavailable(f"{role} {worker.url} unreachable: {exc}") from exc
     except Broken as exc:

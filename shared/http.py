@@ -73,7 +73,14 @@ def _plainly_json(request: web.Request) -> bool:
 
 def make_base_app(outer: list[Any] | None = None, max_body: int = MAX_BODY) -> web.Application:
     """An app whose errors are mapped; `outer` middlewares (metrics, auth) run around that."""
-    app = web.Application(middlewares=[*(outer or []), errors_middleware], client_max_size=max_body)
+    return web.Application(
+        middlewares=[*(outer or []), errors_middleware], client_max_size=max_body
+    )
+
+
+def frozen_once_started(app: web.Application) -> web.Application:
+    """`app`, its heap frozen once it has started (`freeze_heap`): for a service's own process
+    only (a test's apps would freeze whatever the test holds)."""
     app.on_startup.append(freeze_heap)  # after the app's own startup (its cleanup contexts)
     return app
 
@@ -92,7 +99,7 @@ def run(app: web.Application, host: str, port: int, reuse_port: bool = False) ->
     how aborts propagate upstream (aiohttp's default is off)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     web.run_app(
-        app,
+        frozen_once_started(app),
         host=host,
         port=port,
         handler_cancellation=True,

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import uvloop
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -305,3 +306,34 @@ async def test_a_replica_slow_to_open_holds_up_no_other(client: Client) -> None:
         await transport.close()
         for s in servers:
             await s.close()
+
+
+def test_on_uvloop_a_batch_goes_as_soon_as_every_stream_is_in() -> None:
+    """The services run on uvloop, whose timer handles are no `asyncio.TimerHandle`: the batch
+    whose last stream's call completes it goes at once, not when its `wait` runs out."""
+
+    class Recorded(BatchedDerender):
+        async def _send(self, batch: list[Any]) -> None:
+            sent.append((len(batch), asyncio.get_running_loop().time() - start))
+            for p in batch:
+                p.answer.set_result(None)
+
+    sent: list[tuple[int, float]] = []
+    start = 0.0
+
+    async def main() -> None:
+        nonlocal start
+        client = Client()
+        transport = Recorded(
+            client, Pool("derender", ("http://127.0.0.1:1",)), RetryPolicy(), METRICS, LIMITS
+        )
+        transport.wait = 5.0
+        start = asyncio.get_running_loop().time()
+        with transport.streaming(), transport.streaming():
+            first = asyncio.ensure_future(transport.stream(call(1)))
+            await asyncio.sleep(0.01)
+            await asyncio.wait_for(asyncio.gather(first, transport.stream(call(2))), 2)
+        await client.close()
+
+    uvloop.run(main())
+    assert len(sent) == 1 and sent[0][0] == 2 and sent[0][1] < 1.0, sent

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tokenline.shared.http import make_base_app, read_json_body
+from tokenline.shared.http import frozen_once_started, make_base_app, read_json_body
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ async def test_a_started_service_freezes_what_it_holds(aiohttp_client: Any) -> N
     (`freeze_heap`), so a full collection walks only what requests allocate."""
     gc.unfreeze()
     assert gc.get_freeze_count() == 0
-    await aiohttp_client(make_base_app())
+    await aiohttp_client(frozen_once_started(make_base_app()))
     try:
         assert gc.get_freeze_count() > 0
     finally:
