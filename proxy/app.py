@@ -251,11 +251,10 @@ async def models(request: web.Request) -> web.Response:
     hops = request.app[HOPS]
     worker = hops.pools.render.choose()
     with translated("render", worker):
-        async with hops.client.request(
+        status, body = await hops.client.fetch(
             "GET", worker.url + "/v1/models", limits=hops.timeouts.pure
-        ) as resp:
-            body = await resp.read()
-    return web.Response(body=body, status=resp.status, content_type="application/json")
+        )
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 def make_app(config: ProxyConfig) -> web.Application:

@@ -86,11 +86,10 @@ class ZmqDerender(HttpDerender):
 
     async def _open(self, worker: Worker) -> Connection:
         with translated("derender", worker):
-            async with self.client.request(
+            status, answer = await self.client.fetch(
                 "GET", worker.url + "/v1/zmq", limits=self.limits
-            ) as resp:
-                answer = await resp.read()
-        if resp.status != 200:
+            )
+        if status != 200:
             raise UpstreamUnavailable(
                 f"derender {worker.url} has no ZMQ channel (start it with --zmq-port)"
             )

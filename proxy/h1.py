@@ -353,8 +353,7 @@ class _Connection(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        if pieces or parser.done or parser.head is not None:
-            self._wake()
+        self._wake()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -408,6 +407,10 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return pieces
 
+    def alive(self) -> bool:
+        """Open, and not closing."""
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
     def reusable(self) -> bool:
         parser = self.parser
         return (
@@ -415,9 +418,7 @@ class _Connection(asyncio.Protocol):
             and parser.done
             and parser.keep_alive
             and self.error is None
-            and not self.lost
-            and self.transport is not None
-            and not self.transport.is_closing()
+            and self.alive()
         )
 
     def finish(self) -> None:
@@ -526,6 +527,18 @@ class Client:
         finally:
             conn.finish()
 
+    async def fetch(
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+        limits: Limits | None = None,
+    ) -> tuple[int, bytes]:
+        """`request`'s answer whole: its status and body."""
+        async with self.request(method, url, body, headers, limits) as resp:
+            return resp.status, await resp.read()
+
     async def _answered(
         self, origin: Origin, request: bytes, limits: Limits, idempotent: bool
     ) -> tuple[_Connection, Head]:
@@ -562,7 +575,7 @@ class Client:
         idle = self.idle.get(origin)
         while idle:
             conn = idle.pop()
-            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+            if conn.alive():
                 return conn
         return None
 
@@ -583,7 +596,7 @@ class Client:
                 )
         except TimeoutError:
             raise
-        except (OSError, ssl.SSLError) as exc:
+        except OSError as exc:  # refused, unreachable, TLS (ssl.SSLError is one)
             raise Unreachable(f"{exc}") from exc
         self.open.add(conn)
         return conn

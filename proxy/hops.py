@@ -234,14 +234,10 @@ class Hops:
         body = JSON.encode({"request_ids": [engine_request_id]})
         # both generate pools carry the same key (`Pool.headers`)
         headers = {"Content-Type": "application/json", **self.pools.decode.headers}
+        url = worker.url + "/inference/v1/abort_requests"
         with contextlib.suppress(HttpClientError, TimeoutError, OSError):
-            async with (
-                asyncio.timeout(ABORT_TIMEOUT),
-                self.client.request(
-                    "POST", worker.url + "/inference/v1/abort_requests", body, headers
-                ) as resp,
-            ):
-                await resp.read()
+            async with asyncio.timeout(ABORT_TIMEOUT):
+                await self.client.fetch("POST", url, body, headers)
 
     async def settle(self) -> None:
         """Give pending aborts a moment to go out (at shutdown)."""

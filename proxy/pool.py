@@ -230,12 +230,9 @@ class Pool:
 
     async def _check_one(self, client: Client, worker: Worker) -> None:
         try:
-            async with (
-                asyncio.timeout(CHECK_TIMEOUT),
-                client.request("GET", worker.url + "/health", headers=self.headers) as resp,
-            ):
-                await resp.read()
-                ok = resp.status == 200
+            async with asyncio.timeout(CHECK_TIMEOUT):
+                status, _ = await client.fetch("GET", worker.url + "/health", headers=self.headers)
+            ok = status == 200
         except (HttpClientError, TimeoutError, OSError):
             ok = False
         was = worker.breaker.state

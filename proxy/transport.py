@@ -68,7 +68,7 @@ class HttpDerender:
     policy: RetryPolicy
     metrics: ProxyMetrics
     limits: Limits
-    """Connect, then the whole answer (the proxy's `Timeouts.pure`)."""
+    """The proxy's `Timeouts.pure`: connect, then the longest silence while an answer comes."""
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         call = post_any(self.client, self.pool, self.policy, path, body, headers, self.limits)

@@ -86,13 +86,12 @@ async def post(
 ) -> bytes:
     """POST `body` to `worker` and return the answer; error answers raise."""
     with pool.lease(worker), translated(pool.role, worker):
-        async with client.request(
+        status, data = await client.fetch(
             "POST", worker.url + path, body, _with_pool(pool, headers), limits
-        ) as resp:
-            data = await resp.read()
-            if not 200 <= resp.status < 300:
-                raise rejected_or_failed(pool.role, worker, resp.status, data)
-            return data
+        )
+        if not 200 <= status < 300:
+            raise rejected_or_failed(pool.role, worker, status, data)
+        return data
 
 
 async def post_any(

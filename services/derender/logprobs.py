@@ -49,7 +49,7 @@ def decoded_in_windows(tok: ModelTokenizer, token_id: int, context: Sequence[int
         if full.endswith(REPLACEMENT):
             continue
         clean_end = len(window)
-        while clean_end > 0 and tok.decode_one(window[clean_end - 1]).endswith(REPLACEMENT):
+        while clean_end > 0 and texts.ends_cut(window[clean_end - 1]):
             clean_end -= 1
         prefix = texts.decode(window[:clean_end], skip_special_tokens=False) if clean_end else ""
         return after_prefix(full, prefix)

@@ -91,13 +91,14 @@ class TokenTexts:
                 continue
             first = len(parts) - n  # the window is window[first:]
             clean_end = n  # ... without its trailing tokens whose own text ends in U+FFFD
-            while clean_end and self._ends_cut(window[first + clean_end - 1]):
+            while clean_end and self.ends_cut(window[first + clean_end - 1]):
                 clean_end -= 1
             prefix = b"".join(parts[first : first + clean_end]).decode("utf-8", "replace")
             return after_prefix(full, prefix)
         return ""
 
-    def _ends_cut(self, token_id: int) -> bool:
+    def ends_cut(self, token_id: int) -> bool:
+        """The token's own text ends in U+FFFD (a character it does not finish)."""
         return self.tok.decode_one(token_id).endswith(REPLACEMENT)
 
     def own_text(self, token_id: int) -> str | None:
