@@ -150,7 +150,7 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
         derender = derender_transport(
             config, client, pools.derender, policy, metrics, timeouts.pure
         )
-        hops = Hops(client, pools, policy, metrics, derender, timeouts)
+        hops = Hops(client, pools, policy, metrics, derender, timeouts, config.prefill_first_token)
         app[HOPS] = hops
         try:
             async with maintained(pools, client, config.health_interval, config.resolve_interval):

@@ -49,6 +49,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     chunks one stream after another: at 16 streams on the 2-core box they reached the proxy
     over 4-6 ms, so 2 ms cut each step into two batches of ~9 and ~6 (6 ms: one of ~14, and
     ~25% less proxy + derender CPU per token)."""
+    prefill_first_token: bool = True
+    """P/D: a stream shows the first token as soon as the prefill leg has it, instead of
+    after the decode leg has pulled the KV and sampled the same token again (which is then
+    checked and dropped). Sampling requests without a seed get one for both legs, so that the
+    two engines draw the same first token (`proxy/early.py`)."""
     health_interval: Seconds = 2.0
     """Seconds between health checks of each replica."""
     max_in_flight: Positive = 1024

@@ -116,13 +116,15 @@ def prompt_request(gen: GenerateRequest) -> GenerateRequest:
 
 
 def prefill_request(gen: GenerateRequest) -> GenerateRequest:
-    """The P/D prefill leg: one token, no sampling extras, KV kept for a remote decode."""
+    """The P/D prefill leg of `gen` as the engine sees it (`engine_request`): one token, KV
+    kept for a remote decode. Its token is sampled as the decode leg's first one will be (the
+    same `min_tokens` up to 1, the same logprobs): a stream may show it first
+    (`proxy/early.py`)."""
     params = msgspec.structs.replace(
         gen.sampling_params,
         max_tokens=1,
-        min_tokens=0,
+        min_tokens=min(gen.sampling_params.min_tokens, 1),
         n=1,
-        logprobs=None,
         stop=None,
         detokenize=False,
         extra_args=None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.flow import HopHeaders, engine_id, prefill_request, retry_id
+from tokenline.proxy.flow import HopHeaders, engine_id, engine_request, prefill_request, retry_id
 from tokenline.proxy.h1 import Client, HttpClientError, Limits
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pools, Worker
@@ -33,6 +33,7 @@ from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import (
     GENERATE_RESPONSE,
     JSON,
+    GenerateChoice,
     GenerateRequest,
     GenerateResponse,
     PromptLogprobs,
@@ -54,6 +55,8 @@ class Prefilled:
     kv: dict[str, Any] | None
     prompt_logprobs: PromptLogprobs | None = None
     """Computed by the prefill leg when asked for: a decode behind it never runs the prompt."""
+    first: GenerateChoice | None = None
+    """The token the prefill leg sampled (a stream may show it first: `proxy/early.py`)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class Hops:
     metrics: ProxyMetrics
     derender: DerenderTransport
     timeouts: Timeouts
+    prefill_first_token: bool = True
+    """P/D streams show the prefill leg's token before the decode leg's (`proxy/early.py`)."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     aborting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
@@ -101,7 +106,11 @@ class Hops:
         return kind.generate_requests(await self.metrics.timed("render", call))
 
     async def prefill(
-        self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
+        self,
+        gen: GenerateRequest,
+        kind: Kind,
+        headers: HopHeaders,
+        exclude: Sequence[Worker] = (),
     ) -> Prefilled:
         """The P/D prefill leg: the prompt's KV computed on a prefill instance, and the
         `kv_transfer_params` the decode instance needs to pull it.
@@ -113,7 +122,7 @@ class Hops:
         pool = self.pools.prefill
         if not pool.configured:
             return Prefilled(None, None)
-        body = JSON.encode(prefill_request(gen))
+        body = JSON.encode(prefill_request(engine_request(gen, kind, False, None)))
 
         async def once(worker: Worker) -> Prefilled:
             data = await post(
@@ -131,7 +140,8 @@ class Hops:
                     f"prefill {worker.url} returned no kv_transfer_params "
                     "(is it started with --role prefill?)"
                 )
-            return Prefilled(worker, answer.kv_transfer_params, answer.prompt_logprobs)
+            first = answer.choices[0] if answer.choices else None
+            return Prefilled(worker, answer.kv_transfer_params, answer.prompt_logprobs, first)
 
         every = RetryPolicy(attempts=len(pool.workers), timeout=self.policy.timeout, sleep=False)
         try:
@@ -179,6 +189,7 @@ class Hops:
     async def behind_prefill(
         self,
         gen: GenerateRequest,
+        kind: Kind,
         headers: HopHeaders,
         decode: Decode[T],
         may_retry: Callable[[], bool] = lambda: True,
@@ -192,7 +203,7 @@ class Hops:
         a decode replica that failed by its own fault (unreachable, hung, broken) is replaced
         by another healthy one.
         """
-        pre = await self.prefill(gen, headers)
+        pre = await self.prefill(gen, kind, headers)
         try:
             return await decode(gen, pre, ())
         except ServiceError as exc:
@@ -203,7 +214,7 @@ class Hops:
             exclude = [failed] if failed is not None else []
         self.metrics.retries.inc()
         gen = retry_id(gen)
-        pre = await self.prefill(gen, headers, exclude=[pre.worker] if pre.worker else [])
+        pre = await self.prefill(gen, kind, headers, exclude=[pre.worker] if pre.worker else [])
         return await decode(gen, pre, exclude)
 
     def _worth_rerun(self, exc: ServiceError, pre: Prefilled, failed: Worker | None) -> bool:

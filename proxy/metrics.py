@@ -61,6 +61,11 @@ class ProxyMetrics(ServiceMetrics):
             "Stream chunks per derender batch (batched transport)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
         )
+        self.first_tokens = self.counter(
+            "prefill_first_tokens",
+            "P/D stream tokens shown from the prefill leg, by what the decode leg began with",
+            labels=("decode",),
+        )
         self.migrations = self.counter(
             "migrations", "Streams continued on another decode replica after theirs failed"
         )

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from tokenline.proxy.early import Diverged, FirstToken, for_legs
 from tokenline.proxy.flow import (
     ClientChunk,
     ClientRequest,
@@ -29,6 +30,7 @@ from tokenline.proxy.flow import (
     generate_chunk,
     merge_chunks,
     prompt_request,
+    retry_id,
     whole_derender_body,
 )
 from tokenline.proxy.hops import Hops, Prefilled
@@ -74,7 +76,8 @@ async def whole(
             return answer
         return msgspec.structs.replace(answer, prompt_logprobs=pre.prompt_logprobs)
 
-    responses = await asyncio.gather(*(hops.behind_prefill(g, headers, decode) for g in gens))
+    legs = (hops.behind_prefill(g, kind, headers, decode) for g in gens)
+    responses = await asyncio.gather(*legs)
     body = whole_derender_body(kind, client, raw, gens, list(responses))
     data = await hops.derender.whole(kind, JSON.encode(body), headers.pure())
     return msgspec.structs.replace(kind.whole.decode(data), id=rendered.public_id)
@@ -94,6 +97,9 @@ class Streaming:
     out: Out
     started: float = field(default_factory=time.perf_counter)
     last_sent: float | None = None
+    first_shown: dict[int, int] = field(default_factory=dict)
+    """Per prompt: the prefill leg's token, shown before its decode stream (`proxy/early.py`);
+    every decode stream of that prompt must begin with it, and drops it."""
 
     async def run(self) -> None:
         """Every prompt's chunks to `out` as derender answers them, then the usage chunk if
@@ -113,14 +119,43 @@ class Streaming:
         async def decode(g: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]) -> None:
             if self.flow.needs_prompt_logprobs():
                 self.flow.prompt_logprobs[p] = await self._prompt_logprobs(g, pre, exclude)
-            await self._decode(p, g, pre.kv, exclude)
+            first = self._first_token(p, g, pre)
+            try:
+                await self._decode(p, g, pre.kv, exclude, first)
+            except Diverged as exc:
+                # rare (a near-tie): decode-only computes the prompt as the prefill engine did
+                log.warning("stream.first_token request_id=%s: %s", g.request_id, exc.message)
+                self.hops.metrics.first_tokens.labels("diverged").inc()
+                await self.hops.aborted(g)
+                again = retry_id(g)
+                await self._decode(p, again, None, (), self._first_token(p, again, pre))
 
+        legs = for_legs(gen) if self._shows_prefill_token() else gen
         try:
             await self.hops.behind_prefill(
-                gen, self.headers, decode, may_retry=lambda: not self.flow.emitted(p)
+                legs, self.flow.kind, self.headers, decode, may_retry=lambda: self._unseen(p)
             )
         except ServiceError as exc:
             await self._migrate(p, gen, exc)
+
+    def _shows_prefill_token(self) -> bool:
+        return self.hops.prefill_first_token and self.hops.pools.prefill.configured
+
+    def _first_token(self, p: int, gen: GenerateRequest, pre: Prefilled) -> FirstToken | None:
+        """The token prompt `p`'s decode stream must begin with, shown already or to be shown
+        now (None: the stream shows its own first token)."""
+        shown = self.first_shown.get(p)
+        if shown is not None:
+            return FirstToken(shown)
+        if not self._shows_prefill_token() or self.flow.emitted(p):
+            return None
+        return FirstToken.of(gen, pre.first)
+
+    def _unseen(self, p: int) -> bool:
+        """Nothing of prompt `p` reached the client but (maybe) the prefill leg's token, which
+        a rerun's decode stream begins with and drops: a rerun is invisible."""
+        shown = self.first_shown.get(p)
+        return not self.flow.emitted(p) or self.flow.generated(p) == [shown]
 
     async def _migrate(self, p: int, gen: GenerateRequest, exc: ServiceError) -> None:
         """Continue prompt `p` on another decode replica after its own failed mid-stream
@@ -171,18 +206,25 @@ class Streaming:
         return answer.prompt_logprobs
 
     async def _decode(
-        self, p: int, gen: GenerateRequest, kv: dict[str, Any] | None, exclude: Sequence[Worker]
+        self,
+        p: int,
+        gen: GenerateRequest,
+        kv: dict[str, Any] | None,
+        exclude: Sequence[Worker],
+        first: FirstToken | None = None,
     ) -> None:
         """Prompt `p`'s generate stream, read in the task that derenders it: what arrives while
         derender answers waits in the socket's buffer and comes in the next read, merged per
-        choice (and an engine that gets ahead of a slow client is held back by TCP)."""
+        choice (and an engine that gets ahead of a slow client is held back by TCP). With
+        `first`, the stream begins with that token, shown to the client while the engine
+        starts (unless shown already)."""
         flow, hops = self.flow, self.hops
         worker, source = hops.generate_stream(
             engine_request(gen, flow.kind, True, kv), self.headers, exclude
         )
         finished = False
         try:
-            await self._read(p, source)
+            await self._read(p, source, gen, first)
             finished = True
         except ServiceError:
             if not flow.prompt_done(p) or flow.stopped_early(p):
@@ -194,19 +236,39 @@ class Streaming:
                 hops.metrics.aborts.labels("stop" if finished else "cancelled").inc()
                 hops.abort(worker, gen)
 
-    async def _read(self, p: int, source: AsyncGenerator[list[bytes], None]) -> None:
+    async def _read(
+        self,
+        p: int,
+        source: AsyncGenerator[list[bytes], None],
+        gen: GenerateRequest,
+        first: FirstToken | None,
+    ) -> None:
         """Prompt `p`'s generate stream to its end (or to a stop string), each read's chunks
-        derendered and written to the client."""
+        derendered and written to the client (`first` shown meanwhile, then dropped)."""
         flow, hops = self.flow, self.hops
         async with contextlib.AsyncExitStack() as stack:
+            showing = None
+            if first is not None and p not in self.first_shown:
+                showing = asyncio.create_task(self._show_first(p, gen, first))
+                stack.push_async_callback(_settled, showing)
             await stack.enter_async_context(contextlib.aclosing(source))
             joined = False
             async for payloads in source:
                 if not joined:  # from its first chunk on, batches wait for this stream
+                    if showing is not None:
+                        await showing  # its derender state comes first
+                        if flow.stopped_early(p) and flow.prompt_done(p):
+                            break  # a stop string in the first token
                     stack.enter_context(hops.derender.streaming())
                     joined = True
+                chunks = merge_chunks([generate_chunk(x) for x in payloads])
+                if first is not None:
+                    chunks, waiting = first.dropped_from(chunks)
+                    if not waiting:
+                        hops.metrics.first_tokens.labels("same").inc()
+                        first = None
                 ready = []
-                for chunk in merge_chunks([generate_chunk(x) for x in payloads]):
+                for chunk in chunks:
                     if (answer := await self._relay(p, chunk)) is not None:
                         ready.append(answer)
                 if ready:
@@ -214,6 +276,12 @@ class Streaming:
                 if flow.stopped_early(p) and flow.prompt_done(p):
                     break  # the engine is still generating: `_decode` aborts it
             # a finished stream is read to its end: its connection is then reused
+
+    async def _show_first(self, p: int, gen: GenerateRequest, first: FirstToken) -> None:
+        answer = await self._relay(p, first.chunk(gen))
+        self.first_shown[p] = first.token  # with the state derender just gave (no await between)
+        if answer is not None:
+            await self.out([answer])
 
     async def _relay(self, p: int, chunk: GenerateStreamChunk) -> Outgoing | None:
         call = self.flow.call(p, chunk)
@@ -230,3 +298,10 @@ class Streaming:
             self.hops.metrics.itl.observe((now - self.last_sent) / emission.tokens)
         self.last_sent = now
         return emission.chunk
+
+
+async def _settled(task: asyncio.Task[None]) -> None:
+    """`task` over: cancelled if still running (its outcome is then the caller's failure's)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

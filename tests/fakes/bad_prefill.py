@@ -1,12 +1,18 @@
 """A prefill replica that answers but hands out KV that cannot be pulled (its engine "died"
-between the two legs): `python -m tests.fakes.bad_prefill PORT`. A real aiohttp server."""
+between the two legs): `python -m tests.fakes.bad_prefill PORT [ENGINE_URL]`. A real aiohttp
+server. With ENGINE_URL its token is that engine's (computed without KV kept), as a real
+prefill's was before it died; otherwise token 1."""
 
 from __future__ import annotations
 
 import sys
 import uuid
+from typing import Any
 
+import aiohttp
 from aiohttp import web
+
+ENGINE = sys.argv[2] if len(sys.argv) > 2 else None
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -16,7 +22,7 @@ async def generate(request: web.Request) -> web.Response:
         {
             "request_id": "generate-tokens-bogus",
             "output_mode": "tokens",
-            "choices": [{"index": 0, "finish_reason": "length", "token_ids": [1]}],
+            "choices": [await _choice(body)],
             "kv_transfer_params": {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -35,6 +41,17 @@ async def generate(request: web.Request) -> web.Response:
             },
         }
     )
+
+
+async def _choice(body: dict[str, Any]) -> dict[str, Any]:
+    if ENGINE is None:
+        return {"index": 0, "finish_reason": "length", "token_ids": [1]}
+    computed = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(ENGINE + "/inference/v1/generate", json=computed) as resp,
+    ):
+        return dict((await resp.json())["choices"][0])
 
 
 async def health(request: web.Request) -> web.Response:

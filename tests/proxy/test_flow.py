@@ -91,9 +91,12 @@ def test_completions_ask_one_more_logprob_up_to_the_maximum() -> None:
 
 
 def test_prefill_leg_computes_one_token_and_keeps_kv() -> None:
+    """It samples its token as the decode leg samples its first (a stream may show it first):
+    the engine's logprobs and `min_tokens` up to its one token."""
     leg = prefill_request(gen(n=2, logprobs=2, min_tokens=4))
     params = leg.sampling_params
-    assert (params.max_tokens, params.min_tokens, params.n, params.logprobs) == (1, 0, 1, None)
+    assert (params.max_tokens, params.min_tokens, params.n, params.logprobs) == (1, 1, 1, 2)
+    assert prefill_request(gen(min_tokens=0)).sampling_params.min_tokens == 0
     assert params.stop is None and not leg.stream
     assert leg.kv_transfer_params is not None and leg.kv_transfer_params["do_remote_decode"]
 

@@ -209,7 +209,8 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "--zmq-port --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
     "proxy": "--render --derender --prefill --decode --host --port --generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
-    "--derender-transport --derender-batch-wait --health-interval --max-in-flight --max-queued "
+    "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
+    "--health-interval --max-in-flight --max-queued "
     "--max-body-bytes --connect-timeout "
     "--hop-timeout --first-token-timeout --stream-idle-timeout --drain-timeout",
 }

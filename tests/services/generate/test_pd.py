@@ -99,9 +99,10 @@ def test_negative_control_wrong_kv_moves_logprobs(fleet: Fleet) -> None:
 
 
 @pytest.fixture(scope="module")
-def bad_prefill() -> Iterator[Process]:
+def bad_prefill(fleet: Fleet) -> Iterator[Process]:
+    """Its token is the decode engine's own (a prefill's shows before the decode leg's)."""
     port = free_port()
-    argv = [sys.executable, "-m", "tests.fakes.bad_prefill", str(port)]
+    argv = [sys.executable, "-m", "tests.fakes.bad_prefill", str(port), fleet.decode.url]
     server = Process("bad-prefill", argv, port, output=log_file("bad-prefill"))
     server.start().wait_healthy(20)
     yield server
