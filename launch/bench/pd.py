@@ -2,11 +2,14 @@
 
     flock /tmp/tokenline-bench.lock python -m tokenline.launch.bench.pd
 
-Two setups, measured one after the other in one run, each behind its own tokenline proxy (render
+Setups measured one after the other in one run, each behind its own tokenline proxy (render
 and derender are shared):
   one-pool  one engine (role both) on cores 0-1, decode-only: it computes the prompt itself
   P/D       a prefill engine on core 0 and a decode engine on core 1, as `tokenline generate`
-            runs them (NixlConnector through our shim, KV pulled over UCX loopback)
+            runs them (NixlConnector through our shim, KV pulled over UCX loopback); streams
+            show the prefill leg's token first (`proxy/early.py`)
+  P/D, decode's first token   the same engines behind a proxy started with
+            `--no-prefill-first-token`: the client waits for the decode leg's first token
 Load: `--streams` concurrent streaming chats (closed loop) from the seeded mix of
 `tokenline bench`. Before the timed window, the first `--newcomer` requests go to the freshly
 started engines all at once: the stall a newcomer showed (one request of the first thirty took
@@ -125,10 +128,10 @@ def engine(name: str, model: Path, role: Role, cores: str) -> servers.Server:
 
 
 def proxy(
-    name: str, render: str, derender: str, decode: str, prefill: str | None
+    name: str, render: str, derender: str, decode: str, prefill: str | None, *extra: str
 ) -> servers.Server:
     argv = ["proxy", "--open", "--render", render, "--derender", derender, "--decode", decode]
-    return servers.tokenline(name, *argv, *(("--prefill", prefill) if prefill else ()))
+    return servers.tokenline(name, *argv, *(("--prefill", prefill) if prefill else ()), *extra)
 
 
 @dataclass
@@ -164,7 +167,9 @@ async def _burst(target: OpenAITarget, specs: list[Spec]) -> Point:
     return point
 
 
-def one_pool(model: Path, front: tuple[str, str], mix: list[Spec], args: argparse.Namespace) -> Run:
+def one_pool(
+    model: Path, front: tuple[str, str], mix: list[Spec], args: argparse.Namespace
+) -> dict[str, Run]:
     both = engine("pd-bench-both", model, "both", "0-1")
     started = [both]
     try:
@@ -173,23 +178,36 @@ def one_pool(model: Path, front: tuple[str, str], mix: list[Spec], args: argpars
         started.append(p)
         servers.start_all([p], 120)
         watched = Watched({"proxy": p.url, "engine": both.url})
-        return measure("one-pool", p.url, watched, mix, args)
+        return {"one": measure("one-pool", p.url, watched, mix, args)}
     finally:
         for s in reversed(started):
             s.stop()
 
 
-def pd(model: Path, front: tuple[str, str], mix: list[Spec], args: argparse.Namespace) -> Run:
+PD_PROXIES = {
+    "pd": ("P/D", ()),
+    "pd-decode-first": ("P/D, decode's first token", ("--no-prefill-first-token",)),
+}
+"""P/D setups on one engine pair: key -> (name, proxy flags)."""
+
+
+def pd(
+    model: Path, front: tuple[str, str], mix: list[Spec], args: argparse.Namespace
+) -> dict[str, Run]:
     pre = engine("pd-bench-prefill", model, "prefill", "0")
     dec = engine("pd-bench-decode", model, "decode", "1")
     started = [pre, dec]
+    runs: dict[str, Run] = {}
     try:
         servers.start_all([pre, dec], 600)
-        p = proxy("pd-bench-proxy-pd", *front, dec.url, pre.url)
-        started.append(p)
-        servers.start_all([p], 120)
-        watched = Watched({"proxy": p.url, "prefill": pre.url, "decode": dec.url})
-        return measure("P/D", p.url, watched, mix, args)
+        for key, (name, flags) in PD_PROXIES.items():
+            p = proxy(f"pd-bench-proxy-{key}", *front, dec.url, pre.url, *flags)
+            started.append(p)
+            servers.start_all([p], 120)
+            watched = Watched({"proxy": p.url, "prefill": pre.url, "decode": dec.url})
+            runs[key] = measure(name, p.url, watched, mix, args)
+            p.stop()
+        return runs
     finally:
         for s in reversed(started):
             s.stop()
@@ -202,11 +220,14 @@ def _ttft(point: Point, q: float) -> float:
     return point.summary()[f"ttft_{q}_ms"]
 
 
-def breakdown(runs: dict[str, Run]) -> dict[str, float]:
+def breakdown(runs: dict[str, Run]) -> list[dict[str, float]]:
     """Mean ms per request of each part of each setup's TTFT."""
+    setups = [
+        _pd_parts(run, shown_early=key == "pd")
+        for key in PD_PROXIES
+        if (run := runs.get(key)) is not None
+    ]
     parts: dict[str, float] = {}
-    if (pdr := runs.get("pd")) is not None:
-        parts |= _pd_parts(pdr)
     if (one := runs.get("one")) is not None:
         e = one.deltas
         parts["client TTFT (one-pool)"] = _mean_ttft(one.point)
@@ -214,33 +235,33 @@ def breakdown(runs: dict[str, Run]) -> dict[str, float]:
         parts["  engine: arrival to first token"] = e["engine"].mean_ms(TTFT)
         parts["    engine: queued"] = e["engine"].mean_ms(QUEUED)
         parts["    engine: prefill compute"] = e["engine"].mean_ms(PREFILL)
-    return parts
+        setups.append(parts)
+    return setups
 
 
-def _pd_parts(run: Run) -> dict[str, float]:
+def _pd_parts(run: Run, shown_early: bool) -> dict[str, float]:
+    """The parts of one P/D setup's TTFT. `shown_early`: the client's first token is the
+    prefill leg's, so the decode leg's (listed last) comes after it, no part of it."""
     d = run.deltas
-    parts = {
-        "client TTFT (P/D)": _mean_ttft(run.point),
-        "  render hop (proxy)": d["proxy"].mean_ms(HOP, 'hop="render"'),
-        "  prefill leg, wall (proxy)": d["proxy"].mean_ms(HOP, 'hop="prefill"'),
+    ttft = _mean_ttft(run.point)
+    render = d["proxy"].mean_ms(HOP, 'hop="render"')
+    prefill = d["proxy"].mean_ms(HOP, 'hop="prefill"')
+    decode = d["decode"].mean_ms(TTFT)
+    rest = ttft - render - prefill - (0.0 if shown_early else decode)
+    after = "after the client's first token: " if shown_early else ""
+    return {
+        f"client TTFT ({run.name})": ttft,
+        "  render hop (proxy)": render,
+        "  prefill leg, wall (proxy)": prefill,
         "    prefill engine: arrival to first token": d["prefill"].mean_ms(TTFT),
         "    prefill engine: queued": d["prefill"].mean_ms(QUEUED),
         "    prefill engine: prefill compute": d["prefill"].mean_ms(PREFILL),
-        "  decode engine: arrival to first token": d["decode"].mean_ms(TTFT),
+        "  rest: proxy, derender and HTTP hops": rest,
+        f"  {after}decode engine: arrival to first token": decode,
         "    decode: arrival to scheduled (KV wait)": d["decode"].mean_ms(QUEUED),
         "      of which NIXL transfer (per transfer)": d["decode"].mean_ms(XFER),
         "    decode: scheduled to first token": d["decode"].mean_ms(PREFILL),
     }
-    known = sum(
-        parts[k]
-        for k in (
-            "  render hop (proxy)",
-            "  prefill leg, wall (proxy)",
-            "  decode engine: arrival to first token",
-        )
-    )
-    parts["  rest: proxy and HTTP hops"] = parts["client TTFT (P/D)"] - known
-    return parts
 
 
 def _mean_ttft(point: Point) -> float:
@@ -284,12 +305,15 @@ def text(runs: dict[str, Run], streams: int) -> str:
             f"{s['errors']:.0f} |"
         )
     lines.append("")
-    if "one" in runs and "pd" in runs:
-        a, b = runs["one"].point.summary(), runs["pd"].point.summary()
+    for key in PD_PROXIES:
+        if "one" not in runs or key not in runs:
+            continue
+        a, b = runs["one"].point.summary(), runs[key].point.summary()
         lines += [
-            f"P/D/one-pool: TTFT p50 {_ratio(b['ttft_p50_ms'], a['ttft_p50_ms'])}, "
+            f"{runs[key].name}/one-pool: TTFT p50 {_ratio(b['ttft_p50_ms'], a['ttft_p50_ms'])}, "
             f"p99 {_ratio(b['ttft_p99_ms'], a['ttft_p99_ms'])}, "
-            f"tokens/s {_ratio(b['output_tokens_per_s'], a['output_tokens_per_s'])}",
+            f"tokens/s {_ratio(b['output_tokens_per_s'], a['output_tokens_per_s'])}, "
+            f"ITL p50 {_ratio(b['itl_p50_ms'], a['itl_p50_ms'])}",
             "",
         ]
     for run in runs.values():
@@ -300,10 +324,12 @@ def text(runs: dict[str, Run], streams: int) -> str:
             f"slowest request {worst:.2f} s, slowest TTFT {max(ok, default=0.0):.2f} s"
         )
     lines += ["", "Mean per request (ms):", ""]
-    lines += [f"    {k:<46} {v:8.1f}" for k, v in breakdown(runs).items()]
-    if "pd" in runs:
-        lines += ["", "P/D counters over the window:", ""]
-        lines += [f"    {k:<46} {v:8.0f}" for k, v in counters(runs["pd"]).items()]
+    for parts in breakdown(runs):
+        lines += [f"    {k:<54} {v:8.1f}" for k, v in parts.items()] + [""]
+    for key in PD_PROXIES:
+        if key in runs:
+            lines += ["", f"{runs[key].name}: counters over the window:", ""]
+            lines += [f"    {k:<46} {v:8.0f}" for k, v in counters(runs[key]).items()]
     return "\n".join(lines)
 
 
@@ -346,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         servers.start_all([render, derender], 300)
         front = (render.url, derender.url)
         runs: dict[str, Run] = {}
-        setups: dict[str, Callable[..., Run]] = {"one": one_pool, "pd": pd}
+        setups: dict[str, Callable[..., dict[str, Run]]] = {"one": one_pool, "pd": pd}
         for key, setup in setups.items():
             if args.only in (None, key):
-                runs[key] = setup(model, front, mix, args)
+                runs |= setup(model, front, mix, args)
     finally:
         derender.stop()
         render.stop()
