@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,10 +29,32 @@ POLL_S = 0.3
 
 
 def free_port() -> int:
-    """A loopback port free right now (the child binds it a moment later)."""
+    """A loopback port free right now (the child binds it a moment later), from below the
+    kernel's ephemeral range when there is room: every outgoing connection takes its local
+    port from that range, and one could take a port picked there before its server binds it
+    (seen: a NIXL side channel's bind failed with EADDRINUSE, and vLLM then waited forever,
+    never healthy)."""
+    low = _ephemeral_low()
+    if low > 2 * PORTS_BELOW:
+        for _ in range(64):
+            port = low - PORTS_BELOW + secrets.randbelow(PORTS_BELOW)
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port))
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+PORTS_BELOW = 12000
+"""How many ports just below the ephemeral range `free_port` picks from."""
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: the kernel's pick
 
 
 def say(line: str) -> None:

@@ -291,3 +291,12 @@ def test_up_opens_the_proxy_only_on_loopback_or_when_asked(tmp_path: Path) -> No
 
 def test_backoff_doubles_up_to_a_cap() -> None:
     assert [backoff(n) for n in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_picked_ports_stay_out_of_the_range_outgoing_connections_use() -> None:
+    """A port picked for a server (a NIXL side channel among them) cannot be taken as the local
+    port of some outgoing connection before the server binds it."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), (sorted(ports), low, high)
+    assert len(ports) > 1  # random picks, not one port over and over
