@@ -21,6 +21,7 @@ computes the prompt in one pass as the prefill engine (and monolithic vLLM) did.
 from __future__ import annotations
 
 import secrets
+from typing import Any
 
 import msgspec
 
@@ -62,13 +63,23 @@ class FirstToken(msgspec.Struct, frozen=True):
     logprobs: GenerateLogProbs | None = None
 
     @classmethod
-    def of(cls, gen: GenerateRequest, choice: GenerateChoice | None) -> FirstToken | None:
+    def of(
+        cls, gen: GenerateRequest, choice: GenerateChoice | None, kv: dict[str, Any] | None
+    ) -> FirstToken | None:
         """The prefill leg's token, if the client may see it before the decode leg: one
-        choice, a decode leg to follow (the prefill stopped only at its one-token budget),
-        and a first token both engines sample alike (greedy, or seeded: `for_legs`)."""
+        choice, a decode leg to follow (the prefill stopped only at its one-token budget), a
+        token sampled after the whole prompt, and a first token both engines sample alike
+        (greedy, or seeded: `for_legs`).
+
+        vLLM's prefill may stop short of the prompt (`_prefill_backoff`: hybrid and Mamba
+        models, multi-token prediction) and leave the rest to the decode engine; its token
+        then follows a shorter prompt. Its `kv_transfer_params` say how far it computed
+        (`remote_num_tokens`); without that figure nothing is shown early."""
         params = gen.sampling_params
         budget = params.max_tokens
         if choice is None or params.n != 1 or (isinstance(budget, int) and budget < 2):
+            return None
+        if kv is None or kv.get("remote_num_tokens") != len(gen.token_ids):
             return None
         if choice.finish_reason != "length" or len(choice.token_ids or ()) != 1:
             return None

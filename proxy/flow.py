@@ -118,8 +118,8 @@ def prompt_request(gen: GenerateRequest) -> GenerateRequest:
 def prefill_request(gen: GenerateRequest) -> GenerateRequest:
     """The P/D prefill leg of `gen` as the engine sees it (`engine_request`): one token, KV
     kept for a remote decode. Its token is sampled as the decode leg's first one will be (the
-    same `min_tokens` up to 1, the same logprobs): a stream may show it first
-    (`proxy/early.py`)."""
+    same `min_tokens` up to 1, the same logprobs, the same `extra_args` that custom logits
+    processors read): a stream may show it first (`proxy/early.py`)."""
     params = msgspec.structs.replace(
         gen.sampling_params,
         max_tokens=1,
@@ -127,7 +127,6 @@ def prefill_request(gen: GenerateRequest) -> GenerateRequest:
         n=1,
         stop=None,
         detokenize=False,
-        extra_args=None,
     )
     return msgspec.structs.replace(
         gen,

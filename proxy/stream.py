@@ -30,7 +30,6 @@ from tokenline.proxy.flow import (
     generate_chunk,
     merge_chunks,
     prompt_request,
-    retry_id,
     whole_derender_body,
 )
 from tokenline.proxy.hops import Hops, Prefilled
@@ -127,7 +126,7 @@ class Streaming:
                 log.warning("stream.first_token request_id=%s: %s", g.request_id, exc.message)
                 self.hops.metrics.first_tokens.labels("diverged").inc()
                 await self.hops.aborted(g)
-                again = retry_id(g)
+                again = msgspec.structs.replace(g, request_id=f"{g.request_id}-whole")
                 await self._decode(p, again, None, (), self._first_token(p, again, pre))
 
         legs = for_legs(gen) if self._shows_prefill_token() else gen
@@ -149,7 +148,7 @@ class Streaming:
             return FirstToken(shown)
         if not self._shows_prefill_token() or self.flow.emitted(p):
             return None
-        return FirstToken.of(gen, pre.first)
+        return FirstToken.of(gen, pre.first, pre.kv)
 
     def _unseen(self, p: int) -> bool:
         """Nothing of prompt `p` reached the client but (maybe) the prefill leg's token, which
@@ -244,44 +243,70 @@ class Streaming:
         first: FirstToken | None,
     ) -> None:
         """Prompt `p`'s generate stream to its end (or to a stop string), each read's chunks
-        derendered and written to the client (`first` shown meanwhile, then dropped)."""
-        flow, hops = self.flow, self.hops
+        derendered and written to the client (`first` shown while the stream starts, unless
+        shown already, then dropped from it)."""
         async with contextlib.AsyncExitStack() as stack:
-            showing = None
-            if first is not None and p not in self.first_shown:
-                showing = asyncio.create_task(self._show_first(p, gen, first))
-                stack.push_async_callback(_settled, showing)
             await stack.enter_async_context(contextlib.aclosing(source))
             joined = False
+            if first is not None and p not in self.first_shown:
+                payloads = await self._show_first(p, gen, first, source)
+                if payloads is None:
+                    return  # the shown token ended the choice (a stop string): `_decode` aborts
+                stack.enter_context(self.hops.derender.streaming())
+                joined = True
+                first = await self._take(p, payloads, first)
+                if self.flow.stopped_early(p) and self.flow.prompt_done(p):
+                    return
             async for payloads in source:
                 if not joined:  # from its first chunk on, batches wait for this stream
-                    if showing is not None:
-                        await showing  # its derender state comes first
-                        if flow.stopped_early(p) and flow.prompt_done(p):
-                            break  # a stop string in the first token
-                    stack.enter_context(hops.derender.streaming())
+                    stack.enter_context(self.hops.derender.streaming())
                     joined = True
-                chunks = merge_chunks([generate_chunk(x) for x in payloads])
-                if first is not None:
-                    chunks, waiting = first.dropped_from(chunks)
-                    if not waiting:
-                        hops.metrics.first_tokens.labels("same").inc()
-                        first = None
-                ready = []
-                for chunk in chunks:
-                    if (answer := await self._relay(p, chunk)) is not None:
-                        ready.append(answer)
-                if ready:
-                    await self.out(ready)
-                if flow.stopped_early(p) and flow.prompt_done(p):
+                first = await self._take(p, payloads, first)
+                if self.flow.stopped_early(p) and self.flow.prompt_done(p):
                     break  # the engine is still generating: `_decode` aborts it
             # a finished stream is read to its end: its connection is then reused
 
-    async def _show_first(self, p: int, gen: GenerateRequest, first: FirstToken) -> None:
-        answer = await self._relay(p, first.chunk(gen))
-        self.first_shown[p] = first.token  # with the state derender just gave (no await between)
-        if answer is not None:
-            await self.out([answer])
+    async def _take(
+        self, p: int, payloads: list[bytes], first: FirstToken | None
+    ) -> FirstToken | None:
+        """One read's chunks derendered and written to the client; `first` dropped from them
+        (None once it has been)."""
+        chunks = merge_chunks([generate_chunk(x) for x in payloads])
+        if first is not None:
+            chunks, waiting = first.dropped_from(chunks)
+            if not waiting:
+                self.hops.metrics.first_tokens.labels("same").inc()
+                first = None
+        ready = []
+        for chunk in chunks:
+            if (answer := await self._relay(p, chunk)) is not None:
+                ready.append(answer)
+        if ready:
+            await self.out(ready)
+        return first
+
+    async def _show_first(
+        self,
+        p: int,
+        gen: GenerateRequest,
+        first: FirstToken,
+        source: AsyncGenerator[list[bytes], None],
+    ) -> list[bytes] | None:
+        """`first` derendered and written to the client while the decode stream starts; the
+        stream's first read (None: the shown token ended the choice, or the stream was empty)."""
+        reading = asyncio.create_task(_next(source))
+        try:
+            answer = await self._relay(p, first.chunk(gen))
+            self.first_shown[p] = first.token  # with the state derender just gave
+            if answer is not None:
+                await self.out([answer])
+        except BaseException:
+            await _settled(reading)
+            raise
+        if self.flow.stopped_early(p) and self.flow.prompt_done(p):
+            await _settled(reading)  # the decode leg is not needed
+            return None
+        return await reading
 
     async def _relay(self, p: int, chunk: GenerateStreamChunk) -> Outgoing | None:
         call = self.flow.call(p, chunk)
@@ -300,8 +325,12 @@ class Streaming:
         return emission.chunk
 
 
-async def _settled(task: asyncio.Task[None]) -> None:
-    """`task` over: cancelled if still running (its outcome is then the caller's failure's)."""
+async def _next(source: AsyncGenerator[list[bytes], None]) -> list[bytes] | None:
+    return await anext(source, None)
+
+
+async def _settled(task: asyncio.Task[Any]) -> None:
+    """`task` over, its outcome dropped: cancelled if still running."""
     if not task.done():
         task.cancel()
     await asyncio.gather(task, return_exceptions=True)
