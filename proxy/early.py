@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from tokenline.shared.errors import UpstreamError
+from tokenline.shared.errors import Diverged
 from tokenline.shared.wire import (
     GenerateChoice,
     GenerateLogProbs,
@@ -36,10 +36,6 @@ from tokenline.shared.wire import (
 
 GREEDY_BELOW = 1e-5
 """vLLM's `_SAMPLING_EPS`: a lower temperature is greedy."""
-
-
-class Diverged(UpstreamError):
-    """The decode stream began with another token than the one the client was shown."""
 
 
 def _samples(gen: GenerateRequest) -> bool:

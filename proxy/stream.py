@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from tokenline.proxy.early import Diverged, FirstToken, for_legs
+from tokenline.proxy.early import FirstToken, for_legs
 from tokenline.proxy.flow import (
     ClientChunk,
     ClientRequest,
@@ -36,6 +36,7 @@ from tokenline.proxy.hops import Hops, Prefilled
 from tokenline.proxy.migration import MAX_MIGRATIONS, continuation, why_not
 from tokenline.proxy.pool import Worker
 from tokenline.shared.errors import (
+    Diverged,
     ServiceError,
     UpstreamError,
     UpstreamRejected,

@@ -13,7 +13,9 @@
     │                                                          error envelope: not retried on
     │                                                          another replica, no ejection)
     ├── UpstreamError            502 BadGateway               (a hop answered with an error)
-    │   └── UpstreamUnavailable  503 ServiceUnavailableError  (no healthy replica / unreachable)
+    │   ├── UpstreamUnavailable  503 ServiceUnavailableError  (no healthy replica / unreachable)
+    │   └── Diverged             502 BadGateway               (a P/D decode stream began with
+    │                                                          another token than the one shown)
     └── UpstreamTimeout          504 GatewayTimeout
 
 Raise anywhere. `as_service_error` is the one place any exception becomes one of these (msgspec's
@@ -120,6 +122,11 @@ class UpstreamError(ServiceError):
 
 class UpstreamUnavailable(UpstreamError):
     status, kind = 503, "ServiceUnavailableError"
+
+
+class Diverged(UpstreamError):
+    """A P/D decode stream began with another token than the prefill leg's, which the client
+    was shown already (`proxy/early.py`)."""
 
 
 class UpstreamTimeout(ServiceError):

@@ -18,7 +18,8 @@ from aiohttp.test_utils import TestServer
 from tests.proxy.conftest import Tiers, url
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.early import Diverged, FirstToken, for_legs
+from tokenline.proxy.early import FirstToken, for_legs
+from tokenline.shared.errors import Diverged
 from tokenline.shared.wire import (
     GenerateChoice,
     GenerateLogProbs,
