@@ -311,6 +311,9 @@ class StreamCall(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     client_raw: bytes
     client: ClientRequest
+    urgent: bool = False
+    """Goes at once, without waiting for other streams' calls (a batched transport sends what
+    it has): the client waits for this call alone (P/D's first token, `proxy/early.py`)."""
 
     def fields(self, client: Any, lean: bool = False) -> dict[str, Any]:
         """vLLM's streaming derender body, with `client` as the original-request field.
@@ -418,7 +421,7 @@ class StreamFlow:
     def n(self) -> int:
         return self.gens[0].sampling_params.n
 
-    def call(self, p: int, chunk: GenerateStreamChunk) -> StreamCall | None:
+    def call(self, p: int, chunk: GenerateStreamChunk, urgent: bool = False) -> StreamCall | None:
         """The derender call for a chunk of prompt `p` (None: its choice is already over)."""
         prog = self.progress.setdefault((p, chunk.choices[0].index), ChoiceProgress())
         if prog.finished:
@@ -434,6 +437,7 @@ class StreamFlow:
             self.gens[p].token_ids,
             view.raw,
             view.request,
+            urgent,
         )
 
     def _shaped(

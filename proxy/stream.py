@@ -297,7 +297,7 @@ class Streaming:
         stream's first read (None: the shown token ended the choice, or the stream was empty)."""
         reading = asyncio.create_task(_next(source))
         try:
-            answer = await self._relay(p, first.chunk(gen))
+            answer = await self._relay(p, first.chunk(gen), urgent=True)
             self.first_shown[p] = first.token  # with the state derender just gave
             if answer is not None:
                 await self.out([answer])
@@ -309,8 +309,10 @@ class Streaming:
             return None
         return await reading
 
-    async def _relay(self, p: int, chunk: GenerateStreamChunk) -> Outgoing | None:
-        call = self.flow.call(p, chunk)
+    async def _relay(
+        self, p: int, chunk: GenerateStreamChunk, urgent: bool = False
+    ) -> Outgoing | None:
+        call = self.flow.call(p, chunk, urgent)
         if call is None:
             return None
         answer = await self.hops.derender.stream(call)

@@ -102,7 +102,8 @@ class BatchedDerender(HttpDerender):
     An engine step gives every running stream a token, but the chunks reach the proxy spread
     over a few milliseconds (one write per stream), in different event-loop turns. A batch
     goes out once every stream that could still join has a call waiting (the streams held
-    `streaming()` minus those waiting for an answer), or `wait` seconds after its first call:
+    `streaming()` minus those waiting for an answer), or `wait` seconds after its first call,
+    or at once for an urgent call (`StreamCall.urgent`, with whatever else is waiting):
     each stream's chunks are then late by the same short time, so the gaps between them (ITL)
     stay as the engine made them."""
 
@@ -127,7 +128,7 @@ class BatchedDerender(HttpDerender):
             self.loop = asyncio.get_running_loop()
         future: asyncio.Future[StreamAnswer] = self.loop.create_future()
         self.waiting.setdefault(call.kind.name, []).append(_Pending(call, future))
-        self._schedule(self.loop)
+        self._schedule(self.loop, call.urgent)
         return await future
 
     @contextlib.contextmanager
@@ -140,9 +141,9 @@ class BatchedDerender(HttpDerender):
             if self.waiting:  # the batch may have waited for this stream alone
                 self._schedule(self.loop or asyncio.get_running_loop())
 
-    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _schedule(self, loop: asyncio.AbstractEventLoop, urgent: bool = False) -> None:
         pending = sum(len(items) for items in self.waiting.values())
-        if pending >= self.streams - self.answering:
+        if urgent or pending >= self.streams - self.answering:
             if self.flush is not None and self.timed:
                 self.flush.cancel()
                 self.flush = None

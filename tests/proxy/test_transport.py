@@ -157,6 +157,19 @@ async def test_a_batch_goes_after_wait_or_when_a_stream_ends(
         assert fake.batches == [1, 1]
 
 
+async def test_an_urgent_call_goes_at_once_with_whatever_waits(client: Client) -> None:
+    """P/D's first token: the client waits for it alone, so it waits for no other stream."""
+    fake = FakeDerender()
+    async with batched(client, [fake], wait=30.0) as (transport, _):
+        with transport.streaming(), transport.streaming(), transport.streaming():
+            waiting = asyncio.ensure_future(transport.stream(call(1)))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # two streams still to come, for up to 30 s
+            urgent = msgspec.structs.replace(call(2), urgent=True)
+            answers = await asyncio.wait_for(asyncio.gather(waiting, transport.stream(urgent)), 5)
+        assert [_content(a) for a in answers] == ["1", "2"] and fake.batches == [2]
+
+
 async def test_an_items_error_is_that_items_alone(client: Client) -> None:
     fake = FakeDerender()
     async with batched(client, [fake]) as (transport, pool):
