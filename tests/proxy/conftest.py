@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -7,14 +8,18 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.conftest import CODER_R1, HERMES_QWEN3, Fleet
 from tokenline.launch import servers
 from tokenline.launch.bench.http import get
 from tokenline.launch.servers import Server
+from tokenline.proxy.app import make_app as make_proxy
+from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.h1 import Client
 from tokenline.services.derender.app import make_app as make_derender
 from tokenline.services.derender.config import DerenderConfig
@@ -239,6 +244,34 @@ async def tiers(tiny_model: Path) -> AsyncIterator[Tiers]:
     yield Tiers(url(render), url(derender))
     for server in (render, derender):
         await server.close()
+
+
+@contextlib.asynccontextmanager
+async def pd_proxy(
+    aiohttp_client: Any,
+    tiers: Tiers,
+    prefill: web.Application,
+    decode: web.Application,
+    **config: Any,
+) -> AsyncIterator[Any]:
+    """A client of an open in-process proxy between the tiers' render and derender and a
+    prefill and a decode replica served from `prefill` and `decode` (P/D doubles)."""
+    servers = [TestServer(prefill), TestServer(decode)]
+    for server in servers:
+        await server.start_server()
+    try:
+        proxy = ProxyConfig(
+            render_urls=(tiers.render,),
+            derender_urls=(tiers.derender,),
+            prefill_urls=(url(servers[0]),),
+            decode_urls=(url(servers[1]),),
+            open=True,
+            **config,
+        )
+        yield await aiohttp_client(make_proxy(proxy))
+    finally:
+        for server in servers:
+            await server.close()
 
 
 @pytest.fixture

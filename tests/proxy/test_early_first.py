@@ -13,11 +13,8 @@ from typing import Any
 import msgspec
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from tests.proxy.conftest import Tiers, url
-from tokenline.proxy.app import make_app as make_proxy
-from tokenline.proxy.config import ProxyConfig
+from tests.proxy.conftest import Tiers, pd_proxy
 from tokenline.proxy.early import FirstToken, for_legs
 from tokenline.shared.errors import Diverged
 from tokenline.shared.wire import (
@@ -210,22 +207,8 @@ def _entry(token: int) -> dict[str, Any]:
 async def _proxy(
     aiohttp_client: Any, tiers: Tiers, double: PdDouble, **config: Any
 ) -> AsyncIterator[Any]:
-    prefill, decode = TestServer(double.prefill), TestServer(double.decode)
-    for server in (prefill, decode):
-        await server.start_server()
-    try:
-        proxy = ProxyConfig(
-            render_urls=(tiers.render,),
-            derender_urls=(tiers.derender,),
-            prefill_urls=(url(prefill),),
-            decode_urls=(url(decode),),
-            open=True,
-            **config,
-        )
-        yield await aiohttp_client(make_proxy(proxy))
-    finally:
-        for server in (prefill, decode):
-            await server.close()
+    async with pd_proxy(aiohttp_client, tiers, double.prefill, double.decode, **config) as client:
+        yield client
 
 
 async def _events(resp: Any) -> AsyncIterator[dict[str, Any]]:

@@ -8,19 +8,17 @@ fix.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
-from tests.proxy.conftest import Tiers, url
-from tokenline.proxy.app import make_app as make_proxy
-from tokenline.proxy.config import ProxyConfig
+from tests.proxy.conftest import Tiers, pd_proxy
+from tests.proxy.test_early_first import COMPLETION, T1, _entry
 
-T1 = 300  # the first output token (" m" in the tiny model); the decode goes on 301, 302, ...
 Plan = Callable[[dict[str, Any], int], "list[int] | str"]
 """What the n-th decode leg (1-based) does with `body`: stream these tokens, or "fail" (500)."""
 
@@ -134,42 +132,19 @@ class Double:
         return resp
 
 
-def _entry(token: int) -> dict[str, Any]:
-    return {"token_id": token, "logprob": -0.25, "rank": 1, "top_logprobs": []}
-
-
-async def _proxy(aiohttp_client: Any, tiers: Tiers, double: Double) -> AsyncIterator[Any]:
-    prefill, decode = TestServer(double.prefill), TestServer(double.decode)
-    for server in (prefill, decode):
-        await server.start_server()
+@contextlib.asynccontextmanager
+async def _proxy(
+    aiohttp_client: Any, tiers: Tiers, double: Double, **config: Any
+) -> AsyncIterator[Any]:
     try:
-        proxy = ProxyConfig(
-            render_urls=(tiers.render,),
-            derender_urls=(tiers.derender,),
-            prefill_urls=(url(prefill),),
-            decode_urls=(url(decode),),
-            open=True,
-        )
-        yield await aiohttp_client(make_proxy(proxy))
+        async with pd_proxy(aiohttp_client, tiers, double.prefill, double.decode, **config) as c:
+            yield c
     finally:
         double.release.set()
-        for server in (prefill, decode):
-            await server.close()
 
 
 async def _events(resp: Any) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
-
-
-COMPLETION = {
-    "model": "tiny",
-    "prompt": "Count: 1, 2, 3,",
-    "max_tokens": 4,
-    "temperature": 0,
-    "logprobs": 0,
-    "return_token_ids": True,
-    "stream": True,
-}
 
 
 def _token_ids(events: list[dict[str, Any]]) -> list[int]:
@@ -192,7 +167,7 @@ async def test_a_prefill_that_stopped_short_of_the_prompt_is_not_shown(
     `kv_transfer_params.remote_num_tokens` (= its num_computed_tokens, len(prompt) - backoff).
     The client must get the decode leg's stream, not the prefill's token."""
     double = Double(prefill_token=350, prefill_backoff=1)
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION)
         assert resp.status == 200, await resp.text()
         events = await _events(resp)
@@ -221,7 +196,7 @@ async def test_engine_ids_are_not_reused_when_a_diverged_rerun_fails(
         return tokens
 
     double = Double(plan=plan, token_gap=0.1, abort_delay=0.25)
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION)
         assert resp.status == 200, await resp.text()
         events = await _events(resp)
@@ -243,7 +218,7 @@ async def test_a_stop_string_in_the_shown_token_needs_no_decode_leg(
     which is aborted."""
     double = Double()
     double.release.clear()  # the decode leg is slow to begin
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION | {"stop": ["m"]})
         assert resp.status == 200, await resp.text()
         events = await asyncio.wait_for(_events(resp), 5)
@@ -257,7 +232,7 @@ async def test_a_decode_failure_after_a_stop_in_the_shown_token_is_no_error(
     legs that fail change nothing (no rerun of both legs for a finished choice, no error event
     after the answer)."""
     double = Double(plan=lambda body, nth: "fail", fail_delay=0.3)
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION | {"stop": ["m"]})
         assert resp.status == 200, await resp.text()
         events = await _events(resp)
@@ -274,7 +249,7 @@ async def test_both_legs_carry_the_clients_vllm_xargs(aiohttp_client: Any, tiers
     the first token: the prefill leg must carry them as the decode leg does, or the shown token
     is sampled without them."""
     double = Double()
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         body = COMPLETION | {"vllm_xargs": {"banned": 300}}
         resp = await client.post("/v1/completions", json=body)
         assert resp.status == 200, await resp.text()
@@ -297,26 +272,11 @@ async def _answer(
     transport: str = "http",
 ) -> list[dict[str, Any]]:
     double = Double()
-    prefill, decode = TestServer(double.prefill), TestServer(double.decode)
-    for server in (prefill, decode):
-        await server.start_server()
-    try:
-        proxy = ProxyConfig(
-            render_urls=(tiers.render,),
-            derender_urls=(tiers.derender,),
-            prefill_urls=(url(prefill),),
-            decode_urls=(url(decode),),
-            open=True,
-            prefill_first_token=early,
-            derender_transport=transport,
-        )
-        client = await aiohttp_client(make_proxy(proxy))
+    config = {"prefill_first_token": early, "derender_transport": transport}
+    async with _proxy(aiohttp_client, tiers, double, **config) as client:
         resp = await client.post(path, json=body)
         assert resp.status == 200, await resp.text()
         return await _events(resp)
-    finally:
-        for server in (prefill, decode):
-            await server.close()
 
 
 def _digest(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -388,7 +348,7 @@ async def test_a_client_that_leaves_after_the_shown_token_aborts_the_decode_leg(
 ) -> None:
     double = Double()
     double.release.clear()  # the decode leg has not begun when the client leaves
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION)
         assert resp.status == 200
         line = b""
