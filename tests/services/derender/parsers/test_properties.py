@@ -12,7 +12,7 @@ import itertools
 from typing import Any
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.services.derender.parsers.oracle import COMBOS, Case, result, token_texts
@@ -75,8 +75,15 @@ def _subsequence(needle: str, haystack: str) -> bool:
     return all(ch in it for ch in needle)
 
 
+NAME_ACROSS_SPECIALS = (
+    "<function=<think>\nThe user wants weather.\n</think>\n\nx<|im_end|>y<|endoftext|>"
+)
+CODER = next(c for c in CASES if c.tool == "qwen3_coder" and c.reasoning is None)
+
+
 @SETTINGS
 @given(text=OUTPUT, case=st.sampled_from(CASES))
+@example(text=NAME_ACROSS_SPECIALS, case=CODER)
 def test_each_piece_names_the_tokens_that_produced_it(vllm_tok: Any, text: str, case: Case):
     special = frozenset(vllm_tok.all_special_tokens)
     ids = vllm_tok.encode(text, add_special_tokens=False)
@@ -87,6 +94,8 @@ def test_each_piece_names_the_tokens_that_produced_it(vllm_tok: Any, text: str, 
         assert 0 <= start <= end <= len(ids)
         window = "".join(texts[start:end])
         if isinstance(piece, ToolCallDelta):
-            assert piece.name.strip() in window or piece.name in window
+            # in order, not whole: a name runs across the special tokens the text skips (a
+            # full run found "x<|im_end|>y" naming "xy")
+            assert _subsequence(piece.name.strip(), window), (piece, window)
         elif piece.text:
             assert start < end and _subsequence(piece.text, window), (piece, window)
