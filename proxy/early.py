@@ -77,12 +77,12 @@ class FirstToken(msgspec.Struct, frozen=True):
             return None
         if kv is None or kv.get("remote_num_tokens") != len(gen.token_ids):
             return None
-        if choice.finish_reason != "length" or len(choice.token_ids or ()) != 1:
+        ids = choice.token_ids or []
+        if choice.finish_reason != "length" or len(ids) != 1:
             return None
         if _samples(gen) and params.seed is None:
             return None
-        assert choice.token_ids is not None
-        return cls(choice.token_ids[0], choice.logprobs)
+        return cls(ids[0], choice.logprobs)
 
     def chunk(self, gen: GenerateRequest) -> GenerateStreamChunk:
         """The token as the decode stream's first chunk would carry it."""

@@ -128,7 +128,7 @@ class Streaming:
                 self.hops.metrics.first_tokens.labels("diverged").inc()
                 await self.hops.aborted(g)
                 again = msgspec.structs.replace(g, request_id=f"{g.request_id}-whole")
-                await self._decode(p, again, None, (), self._first_token(p, again, pre))
+                await self._decode(p, again, None, (), FirstToken(self.first_shown[p]))
 
         legs = for_legs(gen) if self._shows_prefill_token() else gen
         try:
@@ -248,23 +248,18 @@ class Streaming:
         shown already, then dropped from it)."""
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(contextlib.aclosing(source))
-            joined = False
             if first is not None and p not in self.first_shown:
+                # None: the shown token ended the choice (a stop string): `_decode` aborts
                 payloads = await self._show_first(p, gen, first, source)
-                if payloads is None:
-                    return  # the shown token ended the choice (a stop string): `_decode` aborts
+            else:
+                payloads = await anext(source, None)
+            if payloads is not None:  # from its first chunk on, batches wait for this stream
                 stack.enter_context(self.hops.derender.streaming())
-                joined = True
-                first = await self._take(p, payloads, first)
-                if self.flow.stopped_early(p) and self.flow.prompt_done(p):
-                    return
-            async for payloads in source:
-                if not joined:  # from its first chunk on, batches wait for this stream
-                    stack.enter_context(self.hops.derender.streaming())
-                    joined = True
+            while payloads is not None:
                 first = await self._take(p, payloads, first)
                 if self.flow.stopped_early(p) and self.flow.prompt_done(p):
                     break  # the engine is still generating: `_decode` aborts it
+                payloads = await anext(source, None)
             # a finished stream is read to its end: its connection is then reused
 
     async def _take(

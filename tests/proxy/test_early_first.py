@@ -6,6 +6,7 @@ tests/proxy/test_pd_parity.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -204,11 +205,17 @@ def _entry(token: int) -> dict[str, Any]:
     return {"token_id": token, "logprob": -0.25, "rank": 1, "top_logprobs": []}
 
 
+@contextlib.asynccontextmanager
 async def _proxy(
-    aiohttp_client: Any, tiers: Tiers, double: PdDouble, **config: Any
+    aiohttp_client: Any, tiers: Tiers, double: Any, **config: Any
 ) -> AsyncIterator[Any]:
-    async with pd_proxy(aiohttp_client, tiers, double.prefill, double.decode, **config) as client:
-        yield client
+    """The proxy in front of `double`'s prefill and decode; decode legs it holds are let go
+    at the end."""
+    try:
+        async with pd_proxy(aiohttp_client, tiers, double.prefill, double.decode, **config) as c:
+            yield c
+    finally:
+        double.release.set()
 
 
 async def _events(resp: Any) -> AsyncIterator[dict[str, Any]]:
@@ -251,7 +258,7 @@ async def test_the_first_token_reaches_the_client_before_the_decode_leg_answers(
     aiohttp_client: Any, tiers: Tiers
 ) -> None:
     double = PdDouble()
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION)
         assert resp.status == 200
         events = _events(resp)
@@ -278,7 +285,7 @@ async def test_both_legs_of_an_unseeded_sampling_stream_get_one_seed(
     aiohttp_client: Any, tiers: Tiers
 ) -> None:
     double = PdDouble()
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         events = await _stream(client, double, COMPLETION | {"temperature": 0.9})
         assert _token_ids(events) == [T1, T1 + 1, T1 + 2, T1 + 3]
         seed = double.prefills[0]["sampling_params"]["seed"]
@@ -290,7 +297,7 @@ async def test_a_decode_leg_that_begins_otherwise_reruns_decode_only(
     aiohttp_client: Any, tiers: Tiers
 ) -> None:
     double = PdDouble(diverge=True)
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         events = await _stream(client, double, COMPLETION)
         assert _token_ids(events) == [T1, T1 + 1, T1 + 2, T1 + 3]
         assert [d.get("kv_transfer_params") is not None for d in double.decodes] == [True, False]
@@ -303,7 +310,7 @@ async def test_a_decode_leg_that_fails_after_the_first_token_shows_is_rerun_unse
     aiohttp_client: Any, tiers: Tiers
 ) -> None:
     double = PdDouble(fail_first=True)
-    async for client in _proxy(aiohttp_client, tiers, double):
+    async with _proxy(aiohttp_client, tiers, double) as client:
         events = await _stream(client, double, COMPLETION)
         assert _token_ids(events) == [T1, T1 + 1, T1 + 2, T1 + 3]
         # run once more: behind another prefill replica, here none left: decode-only
@@ -315,7 +322,7 @@ async def test_without_it_the_decode_leg_shows_its_own_first_token(
     aiohttp_client: Any, tiers: Tiers
 ) -> None:
     double = PdDouble(diverge=True)
-    async for client in _proxy(aiohttp_client, tiers, double, prefill_first_token=False):
+    async with _proxy(aiohttp_client, tiers, double, prefill_first_token=False) as client:
         events = await _stream(client, double, COMPLETION | {"temperature": 0.9})
         assert _token_ids(events) == [T1 + 50, T1 + 1, T1 + 2, T1 + 3]  # the decode's own
         assert "seed" not in double.decodes[0]["sampling_params"] or (

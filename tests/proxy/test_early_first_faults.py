@@ -8,16 +8,15 @@ fix.)"""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from tests.proxy.conftest import Tiers, pd_proxy
-from tests.proxy.test_early_first import COMPLETION, T1, _entry
+from tests.proxy.conftest import Tiers
+from tests.proxy.test_early_first import COMPLETION, T1, _entry, _proxy
 
 Plan = Callable[[dict[str, Any], int], "list[int] | str"]
 """What the n-th decode leg (1-based) does with `body`: stream these tokens, or "fail" (500)."""
@@ -130,17 +129,6 @@ class Double:
         finally:
             self.running[rid].discard(nth)
         return resp
-
-
-@contextlib.asynccontextmanager
-async def _proxy(
-    aiohttp_client: Any, tiers: Tiers, double: Double, **config: Any
-) -> AsyncIterator[Any]:
-    try:
-        async with pd_proxy(aiohttp_client, tiers, double.prefill, double.decode, **config) as c:
-            yield c
-    finally:
-        double.release.set()
 
 
 async def _events(resp: Any) -> list[dict[str, Any]]:
