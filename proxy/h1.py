@@ -481,17 +481,21 @@ class Response:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive, everything that came since the last read in one piece."""
+        while (data := await self.next_piece()) is not None:
+            yield data
+
+    async def next_piece(self) -> bytes | None:
+        """The body bytes that came since the last call, waiting for some if none did (None:
+        the body ended). A stream's reader calls this once per read: no generator between."""
         conn = self._conn
         parser = conn.parser
         assert parser is not None
-        while True:
-            if conn.pieces:
-                pieces = conn.take()
-                yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
-                continue
+        while not conn.pieces:
             if parser.done:
-                return
+                return None
             await conn.wait()
+        pieces = conn.take()
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def close(self) -> None:
         """Give up on this answer now: the connection closes (a reader waiting on it fails)."""

@@ -32,10 +32,10 @@ TOKEN_BUCKETS = (
 class ProxyMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__("proxy")
-        self.ttft = self.histogram(
+        self.ttft = self.loop_histogram(
             "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS
         )
-        self.itl = self.histogram(
+        self.itl = self.loop_histogram(
             "inter_token_latency_seconds",
             "Time between streamed chunks per token",
             buckets=TOKEN_BUCKETS,
@@ -56,7 +56,7 @@ class ProxyMetrics(ServiceMetrics):
         self.retries = self.counter(
             "request_retries", "Whole requests retried after a decode leg failed behind a prefill"
         )
-        self.batch_items = self.histogram(
+        self.batch_items = self.loop_histogram(
             "derender_batch_items",
             "Stream chunks per derender batch (batched transport)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),

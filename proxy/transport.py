@@ -109,6 +109,8 @@ class BatchedDerender(HttpDerender):
 
     wait: float = 0.006
     waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
+    pending: int = 0
+    """Calls in `waiting` (counted, not summed over it for every call)."""
     flushing: set[asyncio.Task[None]] = field(default_factory=set)
     streams: int = 0
     """Streams whose chunks keep coming (`streaming()`)."""
@@ -128,6 +130,7 @@ class BatchedDerender(HttpDerender):
             self.loop = asyncio.get_running_loop()
         future: asyncio.Future[StreamAnswer] = self.loop.create_future()
         self.waiting.setdefault(call.kind.name, []).append(_Pending(call, future))
+        self.pending += 1
         self._schedule(self.loop, call.urgent)
         return await future
 
@@ -142,8 +145,7 @@ class BatchedDerender(HttpDerender):
                 self._schedule(self.loop or asyncio.get_running_loop())
 
     def _schedule(self, loop: asyncio.AbstractEventLoop, urgent: bool = False) -> None:
-        pending = sum(len(items) for items in self.waiting.values())
-        if urgent or pending >= self.streams - self.answering:
+        if urgent or self.pending >= self.streams - self.answering:
             if self.flush is not None and self.timed:
                 self.flush.cancel()
                 self.flush = None
@@ -156,7 +158,7 @@ class BatchedDerender(HttpDerender):
 
     def _flush(self) -> None:
         self.flush = None
-        waiting, self.waiting = self.waiting, {}
+        waiting, self.waiting, self.pending = self.waiting, {}, 0
         replicas = max(1, len(self.pool.healthy()))
         for items in waiting.values():
             live = [p for p in items if not p.answer.done()]  # a caller may have gone

@@ -136,7 +136,7 @@ async def stream_payloads(
             with _closed_when_gone(pool.role, worker, resp):
                 events = SseEvents()
                 first = True
-                async for data in resp.chunks():
+                while (data := await resp.next_piece()) is not None:
                     payloads = events.feed(data)
                     if first and payloads and payloads[0].startswith(b'{"error"'):
                         code = _code(payloads[0])
