@@ -123,12 +123,7 @@ class Streaming:
             try:
                 await self._decode(p, g, pre.kv, exclude, first)
             except Diverged as exc:
-                # rare (a near-tie): decode-only computes the prompt as the prefill engine did
-                log.warning("stream.first_token request_id=%s: %s", g.request_id, exc.message)
-                self.hops.metrics.first_tokens.labels("diverged").inc()
-                await self.hops.aborted(g)
-                again = msgspec.structs.replace(g, request_id=f"{g.request_id}-whole")
-                await self._decode(p, again, None, (), FirstToken(self.first_shown[p]))
+                await self._after_divergence(p, gen, g, exc)
 
         legs = for_legs(gen) if self._shows_prefill_token() else gen
         try:
@@ -137,6 +132,34 @@ class Streaming:
             )
         except ServiceError as exc:
             await self._migrate(p, gen, exc)
+
+    async def _after_divergence(
+        self, p: int, gen: GenerateRequest, leg: GenerateRequest, exc: Diverged
+    ) -> None:
+        """Prompt `p`'s decode leg began with another token than the one shown (a near-tie
+        the decode engine, computing the last prompt position from pulled KV, resolved the
+        other way): rerun decode-only, which computes the prompt in one pass as the prefill
+        engine and monolithic vLLM do. Should that diverge too (the engines disagree even
+        so), the stream goes on from the token shown, where it can continue exactly
+        (`proxy/migration.py`; `gen` is the client's, without the seed drawn for the legs);
+        otherwise it fails as before."""
+        self._diverged(leg, exc)
+        await self.hops.aborted(leg)
+        again = msgspec.structs.replace(leg, request_id=f"{leg.request_id}-whole")
+        try:
+            await self._decode(p, again, None, (), FirstToken(self.first_shown[p]))
+        except Diverged as twice:
+            if why_not(gen) is not None:
+                raise
+            self._diverged(again, twice)
+            await self.hops.aborted(again)
+            more = continuation(gen, self.flow.generated(p), 1)
+            more = msgspec.structs.replace(more, request_id=f"{gen.request_id}-after")
+            await self._decode(p, more, None, ())
+
+    def _diverged(self, leg: GenerateRequest, exc: Diverged) -> None:
+        log.warning("stream.first_token request_id=%s: %s", leg.request_id, exc.message)
+        self.hops.metrics.first_tokens.labels("diverged").inc()
 
     def _shows_prefill_token(self) -> bool:
         return self.hops.prefill_first_token and self.hops.pools.prefill.configured

@@ -136,12 +136,15 @@ def test_the_decode_streams_first_token_is_dropped_once() -> None:
 class PdDouble:
     """A prefill and a decode replica: the prefill answers T1 (and KV parameters), the decode
     streams T1, 301, 302, ... once `release` is set. `diverge`: a decode leg behind a prefill
-    begins with another token (decode-only ones do not); `fail_first`: the first decode leg
-    answers 500."""
+    begins with another token (decode-only ones do not, unless `diverge_twice`);
+    `fail_first`: the first decode leg answers 500. A prompt that ends with T1 (a continuation
+    after it) streams 301, 302, ..."""
 
-    def __init__(self, diverge: bool = False, fail_first: bool = False) -> None:
+    def __init__(
+        self, diverge: bool = False, fail_first: bool = False, diverge_twice: bool = False
+    ) -> None:
         self.release = asyncio.Event()
-        self.diverge, self.fail_first = diverge, fail_first
+        self.diverge, self.fail_first, self.diverge_twice = diverge, fail_first, diverge_twice
         self.prefills: list[dict[str, Any]] = []
         self.decodes: list[dict[str, Any]] = []
         self.prefill = web.Application()
@@ -181,8 +184,9 @@ class PdDouble:
             return web.json_response(error, status=500)
         params = body["sampling_params"]
         behind_prefill = body.get("kv_transfer_params") is not None
-        tokens = [T1 + i for i in range(params["max_tokens"])]
-        if self.diverge and behind_prefill:
+        after_t1 = body["token_ids"][-1] == T1
+        tokens = [T1 + after_t1 + i for i in range(params["max_tokens"])]
+        if (self.diverge and behind_prefill) or (self.diverge_twice and not after_t1):
             tokens[0] += 50
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -304,6 +308,38 @@ async def test_a_decode_leg_that_begins_otherwise_reruns_decode_only(
         assert double.decodes[1]["request_id"] == double.decodes[0]["request_id"] + "-whole"
         assert await _metric(client, "diverged") == 1
         assert await _metric(client, "same") == 1
+
+
+async def test_a_rerun_that_diverges_too_goes_on_from_the_token_shown(
+    aiohttp_client: Any, tiers: Tiers
+) -> None:
+    double = PdDouble(diverge=True, diverge_twice=True)
+    async with _proxy(aiohttp_client, tiers, double) as client:
+        events = await _stream(client, double, COMPLETION)
+        assert not any("error" in e for e in events), events
+        assert _token_ids(events) == [T1, T1 + 1, T1 + 2, T1 + 3]
+        leg, whole, after = double.decodes
+        assert [leg["request_id"] + "-whole", leg["token_ids"] + [T1]] == [
+            whole["request_id"],
+            after["token_ids"],
+        ]
+        assert after["request_id"].endswith("-after") and after["kv_transfer_params"] is None
+        assert after["sampling_params"]["max_tokens"] == COMPLETION["max_tokens"] - 1
+        assert await _metric(client, "diverged") == 2
+
+
+async def test_a_seeded_sampler_cannot_go_on_from_the_token_shown(
+    aiohttp_client: Any, tiers: Tiers
+) -> None:
+    """A continuation would draw from another place in the seeded generator: the stream
+    fails, in-band, after the token shown."""
+    double = PdDouble(diverge=True, diverge_twice=True)
+    async with _proxy(aiohttp_client, tiers, double) as client:
+        body = COMPLETION | {"temperature": 0.9, "seed": 7}
+        *events, error = await _stream(client, double, body)
+        assert _token_ids(events) == [T1]
+        assert "began with token" in error["error"]["message"]
+        assert not any(d["request_id"].endswith("-after") for d in double.decodes)
 
 
 async def test_a_decode_leg_that_fails_after_the_first_token_shows_is_rerun_unseen(
