@@ -8,7 +8,9 @@
   and added tokens (special or not) have spacing rules around them: those always take the
   general path.
 - A logprob entry's token and bytes (`standalone`): every entry shows the sampled token and its
-  candidates; a token whose text does not end in U+FFFD shows the same whatever came before.
+  candidates; a token whose text does not end in U+FFFD shows the same whatever came before, and
+  so does a byte-level token whose bytes start a character afresh but end cut (its repair
+  reports "" in any context: `corrected`).
 - Window decodes without the tokenizer (`decode`): a byte-level decoder maps each token's
   characters back to bytes (GPT-2's byte-to-character table; a token with a character outside
   it contributes its own UTF-8) and reads the concatenation as lossy UTF-8, which Python's
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import msgspec
 from tokenizers.decoders import ByteLevel
 
 from tokenline.shared.limits import LOGPROB_CONTEXT
@@ -32,10 +35,14 @@ from tokenline.shared.tokenizer import ModelTokenizer
 REPLACEMENT = "\ufffd"
 
 
-@dataclass(frozen=True)
-class Decoded:
+class Decoded(msgspec.Struct, frozen=True):
+    """A logprob token's text and UTF-8 bytes (a Struct: a repaired token builds one)."""
+
     token: str
     bytes: list[int] | None
+
+
+NOTHING = Decoded("", [])
 
 
 @dataclass
@@ -45,9 +52,9 @@ class TokenTexts:
     added: frozenset[int]
     plain: list[bytes | None] = field(default_factory=list)
     """Byte-level only: each token's bytes by ID, None for an added token (empty otherwise)."""
-    decoded: dict[int, Decoded] = field(default_factory=dict)
+    decoded: dict[int, Decoded | None] = field(default_factory=dict)
     """`standalone`'s cache, bounded by the vocabulary (the bytes lists are shared, never
-    changed)."""
+    changed); None for a token whose text depends on the tokens before it."""
     own: dict[int, str | None] = field(default_factory=dict)
     """`own_text`'s cache, bounded by the vocabulary (the detokenizer asks it for every
     token)."""
@@ -117,15 +124,28 @@ class TokenTexts:
         return text if text and REPLACEMENT not in text else None
 
     def standalone(self, token_id: int) -> Decoded | None:
-        """The token's text and UTF-8 bytes, unless its text ends in U+FFFD (then they depend
-        on the tokens before it)."""
-        found = self.decoded.get(token_id)
-        if found is None:
-            text = self.tok.decode_one(token_id)
-            if text.endswith(REPLACEMENT):
-                return None
-            found = self.decoded[token_id] = Decoded(text, list(text.encode("utf-8", "replace")))
-        return found
+        """The token's text and UTF-8 bytes when they are the same whatever came before it;
+        None when they depend on those tokens (its text ends in U+FFFD and needs repair)."""
+        try:
+            return self.decoded[token_id]
+        except KeyError:  # a token's first time (then one lookup, for the cut ones too)
+            found = self.decoded[token_id] = self._standalone(token_id)
+            return found
+
+    def _standalone(self, token_id: int) -> Decoded | None:
+        text = self.tok.decode_one(token_id)
+        if not text.endswith(REPLACEMENT):
+            return Decoded(text, list(text.encode("utf-8", "replace")))
+        return NOTHING if self._starts_afresh_cut(token_id) else None
+
+    def _starts_afresh_cut(self, token_id: int) -> bool:
+        """A plain byte-level token whose first byte cannot continue a character and whose
+        bytes end cut: `corrected` repairs it to "" whatever the context (the tokens before
+        decode on their own, so every window ends in U+FFFD as the token alone does)."""
+        tail = self.plain[token_id] if token_id < len(self.plain) else None
+        if tail is None or 0x80 <= tail[0] < 0xC0:
+            return False
+        return tail.decode("utf-8", "replace").endswith(REPLACEMENT)
 
 
 def after_prefix(full: str, prefix: str) -> str:
