@@ -4,6 +4,9 @@ replica for the chunks of one engine step), same proxy code, same load, same run
 
 A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
 proxy + derender process CPU seconds (`launch/bench/cpu.py`) divided by the tokens delivered.
+The floor is measured beside them: a relay on the proxy's HTTP stack that passes generate's
+chunks through untouched (`launch/bench/relay.py`); each transport's total is also printed as a
+multiple of it.
 
     .venv/bin/python -m tokenline.launch.bench.hop [--streams 64] [--tokens 256] [--concurrency 8]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 import urllib.request
 
@@ -20,6 +24,7 @@ import aiohttp
 from tokenline.launch import servers
 from tokenline.launch.bench import cpu
 from tokenline.launch.models.build import build
+from tokenline.launch.process import Process
 
 
 def batch_items(url: str) -> tuple[float, float]:
@@ -60,6 +65,14 @@ async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: 
     return delivered
 
 
+def relay(decode: str) -> Process:
+    """The floor (`launch/bench/relay.py`) in front of `decode`, on a free port."""
+    port = servers.free_port()
+    argv = [sys.executable, "-m", "tokenline.launch.bench.relay"]
+    argv += ["--port", str(port), "--decode", decode]
+    return Process("hop-relay", argv, port, output=servers.log_file("hop-relay"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--streams", type=int, default=64)
@@ -70,6 +83,7 @@ def main() -> None:
         "--lockstep", action="store_true", help="the double steps every stream at once, as vLLM"
     )
     parser.add_argument("--transports", nargs="+", default=["http", "zmq", "batched"])
+    parser.add_argument("--no-floor", action="store_true", help="skip the relay floor")
     args = parser.parse_args()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
@@ -79,6 +93,9 @@ def main() -> None:
     started = [double, render, derender]
     try:
         servers.start_all(started, 60)
+        floor = None if args.no_floor else relay(double.url).start().wait(30)
+        if floor is not None:
+            started.append(floor)
         proxies = {}
         for transport in args.transports:
             proxy = servers.tokenline(
@@ -103,6 +120,21 @@ def main() -> None:
             f"{' in lockstep' if args.lockstep else ''}"
         )
         for logprobs in (False, True):
+            lp = "on " if logprobs else "off"
+            relayed = None
+            if floor is not None:
+                asyncio.run(load(floor.url, 4, 16, 2, logprobs))  # warm-up
+                before_floor = cpu.sample([floor], None)
+                start = time.perf_counter()
+                tokens = asyncio.run(
+                    load(floor.url, args.streams, args.tokens, args.concurrency, logprobs)
+                )
+                wall = time.perf_counter() - start
+                relayed = (cpu.sample([floor], None) - before_floor).front / tokens * 1e6
+                print(
+                    f"  {'relay':>7} logprobs={lp} {tokens / wall:8.0f} tokens/s  CPU per token: "
+                    f"{relayed:6.1f} us (the floor: chunks passed through untouched)"
+                )
             for transport, proxy in proxies.items():
                 asyncio.run(load(proxy.url, 4, 16, 2, logprobs))  # warm-up
                 before = cpu.sample([proxy, derender], None)
@@ -117,11 +149,13 @@ def main() -> None:
                     a - b for a, b in zip(batch_items(proxy.url), items_before, strict=True)
                 )
                 per_batch = f"  {items / batches:4.1f} chunks per batch" if batches else ""
+                total = sum(used) / tokens * 1e6
+                above = f"  {total / relayed:4.2f}x the floor" if relayed else ""
                 print(
-                    f"  {transport:>7} logprobs={'on ' if logprobs else 'off'} "
+                    f"  {transport:>7} logprobs={lp} "
                     f"{tokens / wall:8.0f} tokens/s  CPU per token: proxy "
                     f"{used[0] / tokens * 1e6:6.1f} us + derender {used[1] / tokens * 1e6:6.1f} us"
-                    f" = {sum(used) / tokens * 1e6:6.1f} us{per_batch}"
+                    f" = {total:6.1f} us{per_batch}{above}"
                 )
     finally:
         for s in reversed(started):
