@@ -79,9 +79,6 @@ class Detokenizer:
             return False
         return not (self.skip_special_tokens and token_id in self.tok.special_ids)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.texts.decode(ids, self.skip_special_tokens)
-
     def _step(self, token_id: int) -> str:
         state = self.state
         if state.held == 0 and (own := self.texts.own_text(token_id)) is not None:
@@ -90,8 +87,7 @@ class Detokenizer:
             state.ids, state.prefix = [token_id], 1
             return own
         ids = [*state.ids, token_id]
-        prefix_text = self._decode(ids[: state.prefix])
-        text = self._decode(ids)
+        prefix_text, text = self.texts.decode_split(ids, state.prefix, self.skip_special_tokens)
         pending = len(text) <= len(prefix_text) or text.endswith("\ufffd")
         if pending and len(ids) - state.prefix < DETOK_MAX_WINDOW:
             cut = max(0, len(ids) - DETOK_STATE_IDS)
