@@ -58,8 +58,12 @@ class DerenderState:
 
     async def answer(self, kind: Kind, req: DerenderRequest, tokens: int) -> Any:
         """One call's answer: a small stream chunk inline, anything larger in a thread."""
-        inline = req.stream and tokens <= INLINE_TOKENS
-        return await self.run(KIND_DERENDER[kind.name], req, inline)
+        return await self.run(KIND_DERENDER[kind.name], req, _inline(req, tokens))
+
+    def answer_now(self, kind: Kind, req: DerenderRequest) -> Any:
+        """One call's answer, on this thread (no coroutine: a batch item that is small enough
+        to decode inline should not pay two of them)."""
+        return KIND_DERENDER[kind.name](req, self.tok, self.settings)
 
     def count(self, chunks: int, tokens: int) -> None:
         if chunks:
@@ -91,6 +95,11 @@ async def state_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     yield
     pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _inline(req: DerenderRequest, tokens: int) -> bool:
+    """A stream chunk this small decodes faster inline than via a thread hop."""
+    return req.stream and tokens <= INLINE_TOKENS
 
 
 def _tokens(req: DerenderRequest) -> int:
@@ -139,7 +148,10 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
                 req = kind.derender_json.decode(item) if isinstance(item, msgspec.Raw) else item
                 n = _tokens(req)
                 chunks, tokens = chunks + req.stream, tokens + n
-                answers.append(await state.answer(kind, req, n))
+                if _inline(req, n):
+                    answers.append(state.answer_now(kind, req))
+                else:
+                    answers.append(await state.answer(kind, req, n))
             except Exception as exc:
                 answers.append(as_service_error(exc).to_wire())
     finally:

@@ -29,14 +29,10 @@ T = TypeVar("T")
 def decode_choice(
     tok: ModelTokenizer, opts: ChoiceOptions, state: ChoiceState, c: Choice
 ) -> ChoiceOutput:
+    """The choice's lists are passed as they are: the decoder only reads and slices them."""
     content = c.logprobs.content if c.logprobs is not None else None
     decoder = ChoiceDecoder(tok, opts, state)
-    return decoder.feed(
-        list(c.token_ids or []),
-        None if content is None else list(content),
-        c.finish_reason,
-        c.stop_reason,
-    )
+    return decoder.feed(c.token_ids or [], content, c.finish_reason, c.stop_reason)
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:
