@@ -9,8 +9,8 @@
   general path.
 - A logprob entry's token and bytes (`standalone`): every entry shows the sampled token and its
   candidates; a token whose text does not end in U+FFFD shows the same whatever came before, and
-  so does a byte-level token whose bytes start a character afresh but end cut (its repair
-  reports "" in any context: `corrected`).
+  so does a byte-level token with a byte that starts a character afresh and whose bytes end
+  cut (its repair reports "" in any context: `corrected`).
 - Window decodes without the tokenizer (`decode`): a byte-level decoder maps each token's
   characters back to bytes (GPT-2's byte-to-character table; a token with a character outside
   it contributes its own UTF-8) and reads the concatenation as lossy UTF-8, which Python's
@@ -155,14 +155,15 @@ class TokenTexts:
         text = self.tok.decode_one(token_id)
         if not text.endswith(REPLACEMENT):
             return Decoded(text, list(text.encode("utf-8", "replace")))
-        return NOTHING if self._starts_afresh_cut(token_id) else None
+        return NOTHING if self._cut_after_a_fresh_start(token_id) else None
 
-    def _starts_afresh_cut(self, token_id: int) -> bool:
-        """A plain byte-level token whose first byte cannot continue a character and whose
-        bytes end cut: `corrected` repairs it to "" whatever the context (the tokens before
-        decode on their own, so every window ends in U+FFFD as the token alone does)."""
+    def _cut_after_a_fresh_start(self, token_id: int) -> bool:
+        """A plain byte-level token with a byte that cannot continue a character (ASCII or a
+        lead byte), whose bytes end cut: `corrected` repairs it to "" whatever the context.
+        UTF-8 decodes afresh from that byte whatever came before it, so every window ends as
+        the token alone does: in U+FFFD."""
         tail = self.plain[token_id] if token_id < len(self.plain) else None
-        if tail is None or 0x80 <= tail[0] < 0xC0:
+        if tail is None or all(0x80 <= b < 0xC0 for b in tail):
             return False
         return tail.decode("utf-8", "replace").endswith(REPLACEMENT)
 

@@ -1,8 +1,9 @@
 """The cached paths of a logprob token's text answer as the tokenizer-only reference does: a
 token whose text does not end in U+FFFD shows it, and one that does is repaired window by
 window (`decoded_in_windows`), whatever the context holds (cut bytes, added tokens, padding
-rows). `TokenTexts.standalone` answers tokens that start a character afresh but end cut
-without their context (their repair is "" in any): checked here against the reference."""
+rows). `TokenTexts.standalone` answers tokens with a byte that starts a character afresh and
+whose bytes end cut without their context (their repair is "" in any): checked here against
+the reference."""
 
 from __future__ import annotations
 
@@ -73,6 +74,33 @@ def test_tokens_that_start_afresh_but_end_cut_exist_in_both_vocabularies(
     assert len(afresh) >= 10
     for token_id in afresh:
         assert texts.standalone(token_id) == Decoded("", [])
+
+
+def test_tokens_cut_after_a_fresh_start_inside_them_exist_in_both_vocabularies(
+    tok: ModelTokenizer,
+) -> None:
+    """Some cached tokens start by continuing a character and start one afresh later on."""
+    texts = token_texts(tok)
+    later = [
+        i
+        for i in _cut(tok)
+        if texts.standalone(i) is not None and 0x80 <= (texts.plain[i] or b"\0")[0] < 0xC0
+    ]
+    assert len(later) >= 3
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_cut_token_answered_without_context_repairs_to_nothing_in_any(
+    tok: ModelTokenizer, data: Any
+) -> None:
+    texts = token_texts(tok)
+    cached = [i for i in _cut(tok) if texts.standalone(i) is not None]
+    token_id = data.draw(st.sampled_from(cached))
+    context = data.draw(st.lists(_ids(tok), max_size=6))
+    assert decoded_in_windows(tok, token_id, context) == ""
 
 
 @settings(
