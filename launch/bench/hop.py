@@ -18,6 +18,7 @@ import asyncio
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -65,6 +66,58 @@ async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: 
     return delivered
 
 
+@dataclass
+class Target:
+    """A measured front end (the relay floor, or a proxy and the derender behind it), its
+    figures summed over the rounds."""
+
+    name: str
+    process: Process
+    measured: list[Process]
+    """Whose CPU counts: the relay alone, or the proxy and the derender."""
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: list[float] = field(default_factory=list)
+    items: float = 0.0
+    batches: float = 0.0
+
+    def measure(self, args: argparse.Namespace, logprobs: bool) -> None:
+        url = self.process.url
+        before = cpu.sample(self.measured, None)
+        items_before, batches_before = batch_items(url) if self.name != "relay" else (0.0, 0.0)
+        start = time.perf_counter()
+        self.tokens += asyncio.run(load(url, args.streams, args.tokens, args.concurrency, logprobs))
+        self.wall += time.perf_counter() - start
+        used = [s for _, s in (cpu.sample(self.measured, None) - before).parts]
+        self.cpu = [a + b for a, b in zip(self.cpu or [0.0] * len(used), used, strict=True)]
+        if self.name != "relay":
+            items, batches = batch_items(url)
+            self.items += items - items_before
+            self.batches += batches - batches_before
+
+    def per_token(self) -> float:
+        """CPU microseconds per token, every measured process together."""
+        return sum(self.cpu) / self.tokens * 1e6
+
+    def line(self, logprobs: bool, floor: float | None) -> str:
+        head = (
+            f"  {self.name:>7} logprobs={'on ' if logprobs else 'off'} "
+            f"{self.tokens / self.wall:8.0f} tokens/s  CPU per token: "
+        )
+        if self.name == "relay":
+            return head + f"{self.per_token():6.1f} us (the floor: chunks passed through untouched)"
+        proxy, derender = (s / self.tokens * 1e6 for s in self.cpu)
+        per_batch = f"  {self.items / self.batches:4.1f} chunks per batch" if self.batches else ""
+        above = f"  {self.per_token() / floor:4.2f}x the floor" if floor else ""
+        return (
+            head + f"proxy {proxy:6.1f} us + derender {derender:6.1f} us = "
+            f"{self.per_token():6.1f} us{per_batch}{above}"
+        )
+
+    def reset(self) -> None:
+        self.tokens, self.wall, self.cpu, self.items, self.batches = 0, 0.0, [], 0.0, 0.0
+
+
 def relay(decode: str) -> Process:
     """The floor (`launch/bench/relay.py`) in front of `decode`, on a free port."""
     port = servers.free_port()
@@ -84,6 +137,9 @@ def main() -> None:
     )
     parser.add_argument("--transports", nargs="+", default=["http", "zmq", "batched"])
     parser.add_argument("--no-floor", action="store_true", help="skip the relay floor")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure each target this many times, in turns"
+    )
     args = parser.parse_args()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
@@ -117,46 +173,20 @@ def main() -> None:
         print(
             f"\nderender hop: {args.streams} streams x {args.tokens} tokens, concurrency "
             f"{args.concurrency}, double at {args.rate:.0f} tokens/s per stream"
-            f"{' in lockstep' if args.lockstep else ''}"
+            f"{' in lockstep' if args.lockstep else ''}, {args.rounds} round(s) in turns"
         )
+        targets = [Target("relay", floor, [floor])] if floor is not None else []
+        targets += [Target(t, p, [p, derender]) for t, p in proxies.items()]
         for logprobs in (False, True):
-            lp = "on " if logprobs else "off"
-            relayed = None
-            if floor is not None:
-                asyncio.run(load(floor.url, 4, 16, 2, logprobs))  # warm-up
-                before_floor = cpu.sample([floor], None)
-                start = time.perf_counter()
-                tokens = asyncio.run(
-                    load(floor.url, args.streams, args.tokens, args.concurrency, logprobs)
-                )
-                wall = time.perf_counter() - start
-                relayed = (cpu.sample([floor], None) - before_floor).front / tokens * 1e6
-                print(
-                    f"  {'relay':>7} logprobs={lp} {tokens / wall:8.0f} tokens/s  CPU per token: "
-                    f"{relayed:6.1f} us (the floor: chunks passed through untouched)"
-                )
-            for transport, proxy in proxies.items():
-                asyncio.run(load(proxy.url, 4, 16, 2, logprobs))  # warm-up
-                before = cpu.sample([proxy, derender], None)
-                items_before = batch_items(proxy.url)
-                start = time.perf_counter()
-                tokens = asyncio.run(
-                    load(proxy.url, args.streams, args.tokens, args.concurrency, logprobs)
-                )
-                wall = time.perf_counter() - start
-                used = [s for _, s in (cpu.sample([proxy, derender], None) - before).parts]
-                items, batches = (
-                    a - b for a, b in zip(batch_items(proxy.url), items_before, strict=True)
-                )
-                per_batch = f"  {items / batches:4.1f} chunks per batch" if batches else ""
-                total = sum(used) / tokens * 1e6
-                above = f"  {total / relayed:4.2f}x the floor" if relayed else ""
-                print(
-                    f"  {transport:>7} logprobs={lp} "
-                    f"{tokens / wall:8.0f} tokens/s  CPU per token: proxy "
-                    f"{used[0] / tokens * 1e6:6.1f} us + derender {used[1] / tokens * 1e6:6.1f} us"
-                    f" = {total:6.1f} us{per_batch}{above}"
-                )
+            for target in targets:
+                asyncio.run(load(target.process.url, 4, 16, 2, logprobs))  # warm-up
+            for turn in range(args.rounds):  # the order rotates: each target leads in turn
+                for target in targets[turn % len(targets) :] + targets[: turn % len(targets)]:
+                    target.measure(args, logprobs)
+            relayed = targets[0].per_token() if floor is not None else None
+            for target in targets:
+                print(target.line(logprobs, relayed))
+                target.reset()
     finally:
         for s in reversed(started):
             s.stop()
