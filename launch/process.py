@@ -33,17 +33,38 @@ def free_port() -> int:
     kernel's ephemeral range when there is room: every outgoing connection takes its local
     port from that range, and one could take a port picked there before its server binds it
     (seen: a NIXL side channel's bind failed with EADDRINUSE, and vLLM then waited forever,
-    never healthy)."""
+    never healthy). Never one this process was given before: the services one `tokenline up`
+    starts are picked together, before any binds, and two draws of the same port would leave
+    one of them unable to bind (seen once more, below the ephemeral range: a prefill engine's
+    side channel)."""
     low = _ephemeral_low()
     if low > 2 * PORTS_BELOW:
         for _ in range(64):
             port = low - PORTS_BELOW + secrets.randbelow(PORTS_BELOW)
-            with socket.socket() as s, contextlib.suppress(OSError):
-                s.bind(("127.0.0.1", port))
+            if port not in _GIVEN and _bindable(port):
+                _GIVEN.add(port)
                 return port
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            break
+    _GIVEN.add(port)
+    return port
+
+
+_GIVEN: set[int] = set()
+"""Every port `free_port` returned in this process (a few per service started)."""
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 PORTS_BELOW = 12000

@@ -300,3 +300,12 @@ def test_picked_ports_stay_out_of_the_range_outgoing_connections_use() -> None:
     ports = {free_port() for _ in range(20)}
     assert all(1024 <= p < low for p in ports), (sorted(ports), low, high)
     assert len(ports) > 1  # random picks, not one port over and over
+
+
+def test_a_picked_port_is_never_picked_again_in_one_process() -> None:
+    """The services of one `tokenline up` are given ports before any binds: a port drawn twice
+    would leave one of them unable to bind (its NIXL side channel: a vLLM that never starts).
+    1,500 draws from the 12,000 ports below the ephemeral range would repeat one almost surely
+    if picks were independent."""
+    ports = [free_port() for _ in range(1500)]
+    assert len(set(ports)) == len(ports)
