@@ -149,9 +149,10 @@ def main() -> None:
     started = [double, render, derender]
     try:
         servers.start_all(started, 60)
-        floor = None if args.no_floor else relay(double.url).start().wait(30)
+        floor = None if args.no_floor else relay(double.url)
         if floor is not None:
-            started.append(floor)
+            started.append(floor)  # stopped below even if it never comes up
+            floor.start().wait(30)
         proxies = {}
         for transport in args.transports:
             proxy = servers.tokenline(
