@@ -108,13 +108,19 @@ class Process:
     output: Output = "inherit"
     host: str = "127.0.0.1"
     ready: tuple[int, ...] = (200,)
+    stuck_on: tuple[str, ...] = ()
+    """Relayed output that means the child will never become healthy although it keeps
+    running (`check()` then raises, naming the line, instead of waiting out a timeout)."""
     proc: subprocess.Popen[bytes] | None = None
+    stuck: str | None = None
+    """The first relayed line that matched `stuck_on` since the last start."""
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> Process:
+        self.stuck = None
         if isinstance(self.output, Path):
             self.output.parent.mkdir(parents=True, exist_ok=True)
             with self.output.open("wb") as log:  # the child keeps its own descriptor
@@ -141,6 +147,8 @@ class Process:
             for raw in lines:
                 line = raw.decode(errors="replace").rstrip()
                 say(f"{self.name:>16} | {line}")
+                if self.stuck is None and any(s in line for s in self.stuck_on):
+                    self.stuck = line
 
     def healthy(self) -> bool:
         """Whether `/health` answers with one of the `ready` statuses now."""
@@ -160,7 +168,10 @@ class Process:
         return self.proc is not None and self.proc.poll() is not None
 
     def check(self) -> None:
-        """Raise `ProcessExited`, with the end of its log when there is one, if it has exited."""
+        """Raise `ProcessExited`, with the end of its log when there is one, if it has exited,
+        or if it said it is stuck (`stuck_on`)."""
+        if self.stuck is not None:
+            raise ProcessExited(f"{self.name} cannot start: {self.stuck}")
         if not self.exited():
             return
         assert self.proc is not None

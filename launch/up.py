@@ -102,6 +102,11 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
 CLI = CommandLine(UpConfig)
 
 
+ENGINE_STUCK = ("zmq.error.ZMQError: Address already in use",)
+"""vLLM output after which it never becomes healthy: 0.32's NIXL handshake listener dies on a
+taken side-channel port and the engine waits forever for it."""
+
+
 def _service(name: str, argv: list[str], port: int, env: dict[str, str] | None = None) -> Process:
     return Process(name, argv, port, env=env, output="relay")
 
@@ -136,7 +141,9 @@ def _engines(up: UpConfig, model: Path, served: str) -> list[Process]:
             # tokens-only engine has no tokenizer to parse with (and takes no constraint)
             extra_args=() if up.tokens_only else tuple(up.parsers.argv()),
         )
-        engines.append(_service(name, command(config), config.port, env=environment(config)))
+        engine = _service(name, command(config), config.port, env=environment(config))
+        engine.stuck_on = ENGINE_STUCK
+        engines.append(engine)
     return engines
 
 

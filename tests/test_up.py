@@ -225,6 +225,25 @@ def test_up_restarts_what_dies_while_the_rest_keep_serving(
     _no_process_left(up.pids())
 
 
+def test_up_gives_up_at_once_on_an_engine_that_says_it_cannot_start(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """vLLM whose NIXL side channel cannot bind keeps running but never becomes healthy: `up`
+    stops with the line that says so, not after its start-up timeout."""
+    model = ["--model", str(tiny_model), "--served-model-name", "tiny"]
+    args = [*model, "--vllm-bin", str(_fake_vllm(tmp_path)), "--timeout", "600"]
+    up = Up("tokenline-up-stuck", args, {**os.environ, "TOKENLINE_FAKE_VLLM_STUCK": "1"})
+    started = time.monotonic()
+    try:
+        up.wait_for(r"\[up\] generate-\S+ cannot start: zmq\.error\.ZMQError: Address already")
+        code = up.proc.wait(60)
+    finally:
+        up.stop()
+    assert code == 1 and time.monotonic() - started < 120
+    assert "[up] stopped" in up.output
+    _no_process_left(up.pids())
+
+
 def _wait(predicate: Any, timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
