@@ -42,7 +42,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     derender_transport: Literal["http", "zmq", "batched"] = "http"
     """How stream chunks reach derender: http (vLLM's routes, one call per chunk), zmq (the
     address derender advertises at /v1/zmq) or batched (the chunks of every stream in one call
-    per derender replica, `derender_batch_wait`; tokenline's derender only)."""
+    per derender replica, `derender_batch_wait`, over one WebSocket per replica; tokenline's
+    derender only)."""
     derender_batch_wait: Seconds = 0.006
     """batched: longest a call waits for the chunks other streams get in the same engine step
     (a batch goes as soon as every stream's chunk is in). vLLM's API server writes a step's

@@ -2,8 +2,9 @@
 
 * `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
 * `ZmqDerender` (proxy/channel.py): msgpack calls over one DEALER socket per replica.
-* `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one POST per
-  derender replica (tokenline's `/derender/batch` routes; an item's error is that item's).
+* `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one call per
+  derender replica (tokenline's batch calls, over one WebSocket per replica: `proxy/sockets.py`;
+  an item's error is that item's).
 
 Whole (non-streaming) answers always go over HTTP. Every transport retries through
 `proxy.retry.on_replicas` (derender is pure: any replica may answer a call again).
@@ -22,8 +23,9 @@ import msgspec
 from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool
-from tokenline.proxy.retry import RetryPolicy
+from tokenline.proxy.pool import Pool, Worker
+from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.sockets import BatchSockets
 from tokenline.proxy.upstream import post_any
 from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
 from tokenline.shared.kinds import Kind, KindName
@@ -124,6 +126,10 @@ class BatchedDerender(HttpDerender):
     loop: asyncio.AbstractEventLoop | None = None
     """The running loop, looked up once: on Python 3.11 `asyncio.get_running_loop()` makes a
     getpid() system call, which (twice per chunk) took 2-3% of the proxy's time (py-spy)."""
+    sockets: BatchSockets = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sockets = BatchSockets(self.limits)
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
         if self.loop is None:
@@ -174,7 +180,7 @@ class BatchedDerender(HttpDerender):
         body = b'{"requests":[' + b",".join(items) + b"]}"
         self.answering += len(batch)
         try:
-            answers = readable(BATCH_ANSWER, await self.post(kind.batch_path, body, JSON_HEADERS))
+            answers = readable(BATCH_ANSWER, await self._exchange(kind, body))
             if len(answers) != len(batch):
                 raise UpstreamError(
                     f"derender answered {len(answers)} items to a batch of {len(batch)}"
@@ -188,12 +194,28 @@ class BatchedDerender(HttpDerender):
         for p, raw in zip(batch, answers, strict=True):
             _settle(p.answer, _item(bytes(raw)))
 
+    async def _exchange(self, kind: Kind, body: bytes) -> bytes:
+        """One batch answered by a replica (another one if it fails: derender is pure)."""
+
+        async def once(worker: Worker) -> bytes:
+            try:
+                with self.pool.lease(worker):
+                    return await self.sockets.exchange(worker, kind.name, body)
+            except UpstreamRejected:
+                raise
+            except ServiceError:
+                await self.sockets.drop(worker)
+                raise
+
+        return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
+
     async def close(self) -> None:
         if self.flush is not None:
             self.flush.cancel()
         for task in list(self.flushing):
             task.cancel()
         await asyncio.gather(*self.flushing, return_exceptions=True)
+        await self.sockets.close()
 
 
 def _item(raw: bytes) -> StreamAnswer | ServiceError:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-from aiohttp import web
+from aiohttp import WSMsgType, web
 from prometheus_client import Counter
 
 from tokenline.services.derender.bounds import DerenderSettings
@@ -23,13 +23,14 @@ from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import DerenderRequest, derender
 from tokenline.services.derender.detokenize import detokenize
 from tokenline.services.derender.texts import token_texts
-from tokenline.shared.errors import as_service_error
-from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
+from tokenline.shared.errors import BadRequest, as_service_error
+from tokenline.shared.frames import BATCH_SOCKET_PATH, answer_frame, read_call
+from tokenline.shared.http import MAX_BODY, Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST
+from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST, JSON
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -177,6 +178,76 @@ def _handlers(kind: Kind) -> tuple[Handler, Handler]:
     return single, batch
 
 
+@dataclass(eq=False)
+class BatchSocket:
+    """One open batch socket and the batches it is answering."""
+
+    socket: web.WebSocketResponse
+    answering: set[asyncio.Task[None]]
+
+
+SOCKETS = web.AppKey("derender_batch_sockets", set[BatchSocket])
+SHUTDOWN_GRACE = 5.0
+"""Seconds a socket's batches in flight get to be answered when the service stops."""
+
+
+async def batch_socket(request: web.Request) -> web.WebSocketResponse:
+    """tokenline extension, the batched transport's carrier: the batch routes' calls as binary
+    messages on one WebSocket (`shared/frames.py`), each answered when its items are, by the
+    same functions as the routes. A frame that is no call closes the socket (1002, 1003)."""
+    socket = web.WebSocketResponse(max_msg_size=MAX_BODY)
+    await socket.prepare(request)
+    state, held = request.app[STATE], BatchSocket(socket, set())
+    request.app[SOCKETS].add(held)
+    try:
+        async for message in socket:
+            if message.type is not WSMsgType.BINARY:
+                await socket.close(code=1003, message=b"binary frames only")
+                break
+            try:
+                call_id, name, body = read_call(message.data)
+            except ValueError as exc:
+                await socket.close(code=1002, message=str(exc)[:100].encode())
+                break
+            task = asyncio.create_task(_answer_frame(socket, state, call_id, name, body))
+            held.answering.add(task)
+            task.add_done_callback(held.answering.discard)
+    finally:
+        request.app[SOCKETS].discard(held)
+        for task in held.answering:
+            task.cancel()
+    return socket
+
+
+async def close_batch_sockets(app: web.Application) -> None:
+    """On shutdown (the listener already closed): each socket's batches in flight answered
+    (for up to `SHUTDOWN_GRACE`), then the socket closed as going away, so the proxy sends the
+    next batches to another replica; an open socket would otherwise hold the shutdown up."""
+    sockets: set[BatchSocket] = app[SOCKETS]
+    held = list(sockets)
+    answering = [t for h in held for t in h.answering]
+    if answering:
+        await asyncio.wait(answering, timeout=SHUTDOWN_GRACE)
+    for h in held:
+        await h.socket.close(code=1001, message=b"derender shutting down")
+
+
+async def _answer_frame(
+    socket: web.WebSocketResponse, state: DerenderState, call_id: int, name: str, body: bytes
+) -> None:
+    try:
+        kind = KINDS.get(name)  # type: ignore[call-overload]
+        if kind is None:
+            raise BadRequest(f"no derender batch kind {name!r}")
+        answers = await _batch_answers(state, kind, _batch_items(kind, body))
+        status, answer = 200, JSON.encode(answers)
+    except Exception as exc:
+        error = as_service_error(exc)
+        status, answer = error.status, JSON.encode(error.to_wire())
+    if not socket.closed:
+        await socket.send_bytes(answer_frame(call_id, status, answer))
+
+
 async def detokenize_route(request: web.Request) -> web.Response:
     """vLLM's `POST /detokenize`: `tokens` to `prompt` text."""
     req = DETOKENIZE_REQUEST.decode(await read_json_body(request))
@@ -188,7 +259,9 @@ def make_app(config: DerenderConfig) -> web.Application:
     metrics = ServiceMetrics("derender")
     app = make_base_app([metrics.middleware()])
     app[CONFIG], app[METRICS] = config, metrics
+    app[SOCKETS] = set()
     app.cleanup_ctx.append(state_ctx)
+    app.on_shutdown.append(close_batch_sockets)
     if config.zmq_port is not None:
         app.cleanup_ctx.append(channel_ctx(config.host, config.zmq_port, _channel_handle))
         app.router.add_get("/v1/zmq", endpoint)
@@ -196,6 +269,7 @@ def make_app(config: DerenderConfig) -> web.Application:
         single, batch = _handlers(kind)
         app.router.add_post(kind.derender_path, single)
         app.router.add_post(kind.batch_path, batch)
+    app.router.add_get(BATCH_SOCKET_PATH, batch_socket)
     app.router.add_post("/detokenize", detokenize_route)
     add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app

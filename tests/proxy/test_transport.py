@@ -1,5 +1,6 @@
 """The derender transports' own behaviour against small real aiohttp servers: batching per
-event-loop turn, one batch per replica, an item's error that item's alone, retries."""
+event-loop turn, one batch per replica, an item's error that item's alone, retries, and the
+batch socket's failures (closed mid-batch, hung, absent)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 import uvloop
-from aiohttp import web
+from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
 
 from tokenline.proxy.channel import ZmqDerender
@@ -23,7 +24,8 @@ from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.transport import BatchedDerender, HttpDerender
 from tokenline.services.derender.channel import channel_ctx, endpoint
-from tokenline.shared.errors import UpstreamError, UpstreamRejected
+from tokenline.shared.errors import UpstreamError, UpstreamRejected, UpstreamUnavailable
+from tokenline.shared.frames import BATCH_SOCKET_PATH, answer_frame, read_call
 from tokenline.shared.kinds import CHAT, Kind
 from tokenline.shared.wire import (
     CHAT_REQUEST,
@@ -58,21 +60,43 @@ def answer_for(item: dict[str, object]) -> dict[str, object]:
 
 
 class FakeDerender:
-    def __init__(self, fail: bool = False, hang: bool = False) -> None:
+    """vLLM's derender route and tokenline's batch socket; `fail`: every batch answered with
+    a 500 that is no error envelope; `hang`: nothing answered; `drop`: the socket closed on the
+    next batch instead of answering it."""
+
+    def __init__(self, fail: bool = False, hang: bool = False, drop: bool = False) -> None:
         self.hang = hang
+        self.drop = drop
         self.batches: list[int] = []
         self.singles: list[bytes] = []
+        self.sockets = 0
         self.fail = fail
         self.app = web.Application()
-        self.app.router.add_post(CHAT.batch_path, self.batch)
+        self.app.router.add_get(BATCH_SOCKET_PATH, self.socket)
         self.app.router.add_post(CHAT.derender_path, self.single)
 
-    async def batch(self, request: web.Request) -> web.Response:
-        if self.fail:
-            return web.Response(status=500, text="down")
-        items = (await request.json())["requests"]
-        self.batches.append(len(items))
-        return web.json_response([answer_for(i) for i in items])
+    async def socket(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.sockets += 1
+        async for message in ws:
+            assert message.type is WSMsgType.BINARY
+            call_id, kind, body = read_call(message.data)
+            assert kind == "chat"
+            if self.drop:
+                self.drop = False
+                await ws.close()
+                break
+            if self.hang:
+                continue
+            if self.fail:
+                await ws.send_bytes(answer_frame(call_id, 500, b"down"))
+                continue
+            items = json.loads(body)["requests"]
+            self.batches.append(len(items))
+            answers = json.dumps([answer_for(i) for i in items]).encode()
+            await ws.send_bytes(answer_frame(call_id, 200, answers))
+        return ws
 
     async def single(self, request: web.Request) -> web.Response:
         if self.hang:
@@ -209,6 +233,64 @@ async def test_no_replica_answering_fails_every_waiting_call(
         await transport.close()
         for s in servers:
             await s.close()
+
+
+async def test_a_socket_closed_mid_batch_fails_over_and_reopens(client: Client) -> None:
+    """A replica that closes its socket under a batch: the batch goes to another replica, and
+    that replica's next batch opens a new socket."""
+    dropping, fine = FakeDerender(drop=True), FakeDerender()
+    async with batched(client, [dropping, fine]) as (transport, pool):
+        first = await transport.stream(call(1))  # least in flight, in turn: the first replica
+        assert _content(first) == "1" and fine.batches == [1] and dropping.batches == []
+        pool.workers[0].breaker.state = "closed"  # back in rotation (its health probe's job)
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
+        assert [_content(a) for a in answers] == ["0", "1", "2", "3"]
+        assert dropping.sockets == 2 and sum(dropping.batches) + sum(fine.batches) == 5
+
+
+async def test_a_hung_batch_times_out_and_another_replica_answers() -> None:
+    hung, fine = FakeDerender(hang=True), FakeDerender()
+    pool, servers = await serve([hung, fine])
+    client = Client()
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 0.3))
+    try:
+        got = await transport.stream(call(7))
+        assert _content(got) == "7" and fine.batches == [1]
+        assert pool.workers[0].breaker.state == "open"  # out at its first timeout
+    finally:
+        await transport.close()
+        await client.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_derender_without_the_batch_socket_is_named(client: Client) -> None:
+    """vLLM's own derender has no batch socket: the batched transport says so (and `tokenline
+    up` and compose run it only with tokenline's derenders)."""
+    app = web.Application()
+    server = TestServer(app)
+    await server.start_server()
+    pool = Pool("derender", (str(server.make_url("")).rstrip("/"),))
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    try:
+        with pytest.raises(UpstreamUnavailable, match="has no batch socket"):
+            await transport.stream(call(1))
+    finally:
+        await transport.close()
+        await server.close()
+
+
+async def test_first_batches_at_once_share_one_socket(client: Client) -> None:
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, _):
+        first = [transport._exchange(CHAT, _batch_body(t)) for t in range(4)]
+        answers = await asyncio.gather(*first)
+        assert len(answers) == 4 and fake.sockets == 1 and fake.batches == [1, 1, 1, 1]
+
+
+def _batch_body(token: int) -> bytes:
+    item = {"generate_chunk": {"choices": [{"token_ids": [token]}]}}
+    return json.dumps({"requests": [item]}).encode()
 
 
 async def test_http_sends_the_clients_own_bytes(client: Client) -> None:

@@ -1,19 +1,25 @@
-"""The batched derender route in process (no vLLM): answers in order, errors per item, the
-chunk and token counters moved once per batch by what the items carried; and a stream state's
-stop tail, when the request has no stop strings, handled as the stop checker handles it."""
+"""The batched derender route and batch socket in process (no vLLM): answers in order, errors
+per item, the chunk and token counters moved once per batch by what the items carried, a frame
+that is no call refused; and a stream state's stop tail, when the request has no stop strings,
+handled as the stop checker handles it."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
-from aiohttp.test_utils import TestClient
+from aiohttp import WSMsgType, web
+from aiohttp.test_utils import TestClient, TestServer
 
-from tokenline.services.derender.app import make_app
+from tokenline.services.derender.app import SOCKETS, BatchSocket, close_batch_sockets, make_app
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import derender
+from tokenline.shared.frames import BATCH_SOCKET_PATH, call_frame, read_answer
 from tokenline.shared.kinds import CHAT, COMPLETION
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import DERENDER_CHAT, JSON
@@ -64,6 +70,79 @@ async def test_batch_answers_each_item_and_counts_once(
     metrics = await (await client.get("/metrics")).text()
     assert _counter(metrics, "chunks_total") == 3
     assert _counter(metrics, "tokens_total") == 4
+
+
+async def test_batch_socket_answers_each_call_by_id(
+    client: TestClient, tiny_tok: ModelTokenizer
+) -> None:
+    ids = tiny_tok.encode(" hello world", add_special_tokens=False)
+    ws = await client.ws_connect(BATCH_SOCKET_PATH)
+    batch = json.dumps({"requests": [_item(ids[:1]), _item([tiny_tok.vocab_size])]}).encode()
+    await ws.send_bytes(call_frame(7, "chat", batch))
+    await ws.send_bytes(call_frame(8, "poem", batch))
+    await ws.send_bytes(call_frame(9, "chat", b'{"requests": 5}'))
+    got = {}
+    for _ in range(3):
+        call_id, status, body = read_answer(await ws.receive_bytes(timeout=10))
+        got[call_id] = (status, json.loads(body))
+    answers = got[7][1]
+    assert got[7][0] == 200
+    assert answers[0]["chunk"]["choices"][0]["delta"]["content"] == tiny_tok.decode(ids[:1])
+    assert "outside the vocabulary" in answers[1]["error"]["message"]  # that item's alone
+    assert got[8][0] == 400 and "no derender batch kind 'poem'" in got[8][1]["error"]["message"]
+    assert got[9][0] == 400 and got[9][1]["error"]["code"] == 400  # no batch at all
+    await ws.close()
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"), [("text", 1003), (b"no head line", 1002), (b"x chat\n{}", 1002)]
+)
+async def test_batch_socket_closes_on_a_frame_that_is_no_call(
+    client: TestClient, frame: str | bytes, code: int
+) -> None:
+    ws = await client.ws_connect(BATCH_SOCKET_PATH)
+    await (ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
+    message = await ws.receive(timeout=10)
+    assert message.type is WSMsgType.CLOSE and message.data == code
+    assert (await client.get("/health")).status == 200  # the service goes on
+
+
+async def test_stopping_closes_the_batch_sockets(tiny_tok: ModelTokenizer) -> None:
+    """An open socket would hold the service's shutdown up (aiohttp waits for its handler):
+    stopping closes each socket as going away (1001), and the proxy goes elsewhere."""
+    config = DerenderConfig(
+        model=str(tiny_tok.path), served_model_names=("tiny",), max_model_len=2048
+    )
+    server = TestServer(make_app(config))
+    await server.start_server()
+    session = aiohttp.ClientSession()
+    try:
+        ws = await session.ws_connect(server.make_url(BATCH_SOCKET_PATH))
+        ids = tiny_tok.encode(" hello", add_special_tokens=False)
+        await ws.send_bytes(call_frame(1, "chat", json.dumps({"requests": [_item(ids)]}).encode()))
+        assert read_answer(await ws.receive_bytes(timeout=5))[:2] == (1, 200)
+        await asyncio.wait_for(server.close(), 10)
+        closing = await ws.receive(timeout=5)
+        assert closing.type is WSMsgType.CLOSE and closing.data == 1001
+    finally:
+        await session.close()
+
+
+async def test_stopping_lets_the_batches_in_flight_be_answered_first() -> None:
+    order: list[str] = []
+
+    class Socket:
+        async def close(self, code: int, message: bytes) -> None:
+            order.append(f"closed {code}")
+
+    async def answer() -> None:
+        await asyncio.sleep(0.05)
+        order.append("answered")
+
+    app = web.Application()
+    app[SOCKETS] = {BatchSocket(Socket(), {asyncio.create_task(answer())})}  # type: ignore[arg-type]
+    await close_batch_sockets(app)
+    assert order == ["answered", "closed 1001"]
 
 
 def _stream_text(tok: ModelTokenizer, ids: list[int], state: dict[str, Any]) -> tuple[str, Any]:
