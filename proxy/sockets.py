@@ -28,6 +28,8 @@ from tokenline.shared.frames import BATCH_SOCKET_PATH, FrameError, call_frame, r
 from tokenline.shared.http import MAX_BODY
 
 Answered = asyncio.Future[tuple[int, bytes]]
+CLOSE_WAIT = 1.0
+"""Seconds a closing socket waits for the replica's close frame (a hung one sends none)."""
 
 
 @dataclass
@@ -66,7 +68,7 @@ class _Socket:
             self.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.reader
-        await self.ws.close()
+        await self.ws.close()  # the close handshake waits at most CLOSE_WAIT for a hung peer
 
 
 @dataclass
@@ -79,6 +81,7 @@ class BatchSockets:
     sockets: dict[str, _Socket] = field(default_factory=dict)
     opening: dict[str, asyncio.Lock] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
+    closing: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def exchange(self, worker: Worker, kind: str, body: bytes) -> bytes:
         """The batch route's answer to `body` from `worker`; its error answer raises."""
@@ -86,6 +89,8 @@ class BatchSockets:
         call_id = next(self.ids)
         future: Answered = asyncio.get_running_loop().create_future()
         sock.waiting[call_id] = future
+        if sock.failure is not None:  # it failed since `_socket` looked
+            raise sock.failure
         try:
             await sock.ws.send_bytes(call_frame(call_id, kind, body))
             async with asyncio.timeout(self.limits.read):
@@ -100,11 +105,14 @@ class BatchSockets:
             raise rejected_or_failed("derender", worker, status, data)
         return data
 
-    async def drop(self, worker: Worker) -> None:
-        """`worker`'s socket closed (it failed, or the replica did): the next call opens one."""
+    def drop(self, worker: Worker) -> None:
+        """`worker`'s socket closed (it failed, or the replica did): the next call opens one.
+        The close goes on beside the caller, who retries elsewhere at once."""
         sock = self.sockets.pop(worker.url, None)
         if sock is not None:
-            await sock.close()
+            task = asyncio.create_task(sock.close())
+            self.closing.add(task)
+            task.add_done_callback(self.closing.discard)
 
     async def _socket(self, worker: Worker) -> _Socket:
         sock = self.sockets.get(worker.url)
@@ -116,7 +124,7 @@ class BatchSockets:
             if sock is not None and sock.failure is None:
                 return sock
             if sock is not None:
-                await self.drop(worker)
+                self.drop(worker)
             return await self._open(worker)
 
     async def _open(self, worker: Worker) -> _Socket:
@@ -126,7 +134,9 @@ class BatchSockets:
         try:
             async with asyncio.timeout(self.limits.connect):
                 ws = await self.session.ws_connect(
-                    worker.url + BATCH_SOCKET_PATH, max_msg_size=MAX_BODY
+                    worker.url + BATCH_SOCKET_PATH,
+                    max_msg_size=MAX_BODY,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=CLOSE_WAIT),
                 )
         except aiohttp.WSServerHandshakeError as exc:
             raise UpstreamUnavailable(
@@ -142,5 +152,6 @@ class BatchSockets:
     async def close(self) -> None:
         for url in list(self.sockets):
             await self.sockets.pop(url).close()
+        await asyncio.gather(*self.closing, return_exceptions=True)
         if self.session is not None:
             await self.session.close()

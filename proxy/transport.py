@@ -204,7 +204,7 @@ class BatchedDerender(HttpDerender):
             except UpstreamRejected:
                 raise
             except ServiceError:
-                await self.sockets.drop(worker)
+                self.sockets.drop(worker)
                 raise
 
         return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))

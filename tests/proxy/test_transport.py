@@ -5,7 +5,9 @@ batch socket's failures (closed mid-batch, hung, absent)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +35,7 @@ from tokenline.shared.wire import (
     GenerateStreamChunk,
 )
 
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC11B65"
 RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
 LIMITS = Limits(connect=5, read=30)
 METRICS = ProxyMetrics()
@@ -260,6 +263,48 @@ async def test_a_hung_batch_times_out_and_another_replica_answers() -> None:
     finally:
         await transport.close()
         await client.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_replica_gone_silent_costs_its_timeout_not_a_close_handshake() -> None:
+    """A replica that took the socket and went silent (its event loop stuck) sends no close
+    frame: the batch goes to another replica at its read timeout, without waiting on one."""
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        key = next(
+            line.split(":", 1)[1].strip()
+            for line in head.split("\r\n")
+            if line.lower().startswith("sec-websocket-key:")
+        )
+        accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept.encode() + b"\r\n\r\n"
+        )
+        await reader.read()  # until the proxy closes its end, never answering
+
+    stuck = await asyncio.start_server(silent, "127.0.0.1", 0)
+    fine = FakeDerender()
+    pool, servers = await serve([fine])
+    port = stuck.sockets[0].getsockname()[1]
+    pool = Pool("derender", (f"http://127.0.0.1:{port}", pool.workers[0].url))
+    client = Client()
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 0.3))
+    try:
+        got = await asyncio.wait_for(transport.stream(call(3)), 5)  # aiohttp's close waits 10
+        assert _content(got) == "3" and fine.batches == [1]
+    finally:
+        await asyncio.wait_for(transport.close(), 5)
+        await client.close()
+        for writer in held:
+            writer.close()
+        stuck.close()
+        await stuck.wait_closed()
         for s in servers:
             await s.close()
 
