@@ -27,7 +27,13 @@ from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.proxy.sockets import BatchSockets
 from tokenline.proxy.upstream import post_any
-from tokenline.shared.errors import ServiceError, UpstreamError, UpstreamRejected
+from tokenline.shared.errors import (
+    PayloadTooLarge,
+    ServiceError,
+    UpstreamError,
+    UpstreamRejected,
+)
+from tokenline.shared.frames import MAX_BATCH_BODY
 from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.limits import DERENDER_BATCH_ITEMS
 from tokenline.shared.wire import ERROR, JSON, RAW_STREAM_ANSWER, ErrorEnvelope
@@ -177,8 +183,15 @@ class BatchedDerender(HttpDerender):
     async def _send(self, batch: list[_Pending]) -> None:
         kind = batch[0].call.kind
         items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw), True)) for p in batch]
-        body = b'{"requests":[' + b",".join(items) + b"]}"
-        self.answering += len(batch)
+        parts = _bodies(batch, items)
+        self.answering += sum(len(part) for part, _ in parts)
+        await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
+
+    async def _answer(self, kind: Kind, batch: list[_Pending], body: bytes) -> None:
+        """One request body's calls answered (or failed together, if the whole body fails);
+        they stop counting as `answering` before their callers hear, whose next calls may
+        then complete the next batch."""
+        outcomes: list[StreamAnswer | ServiceError]
         try:
             answers = readable(BATCH_ANSWER, await self._exchange(kind, body))
             if len(answers) != len(batch):
@@ -186,13 +199,13 @@ class BatchedDerender(HttpDerender):
                     f"derender answered {len(answers)} items to a batch of {len(batch)}"
                 )
         except ServiceError as exc:
-            for p in batch:
-                _settle(p.answer, exc)
-            return
+            outcomes = [exc] * len(batch)
+        else:
+            outcomes = [_item(bytes(raw)) for raw in answers]
         finally:
             self.answering -= len(batch)
-        for p, raw in zip(batch, answers, strict=True):
-            _settle(p.answer, _item(bytes(raw)))
+        for p, outcome in zip(batch, outcomes, strict=True):
+            _settle(p.answer, outcome)
 
     async def _exchange(self, kind: Kind, body: bytes) -> bytes:
         """One batch answered by a replica (another one if it fails: derender is pure)."""
@@ -202,9 +215,6 @@ class BatchedDerender(HttpDerender):
                 with self.pool.lease(worker):
                     return await self.sockets.exchange(worker, kind.name, body)
             except UpstreamRejected:
-                raise
-            except ServiceError:
-                self.sockets.drop(worker)
                 raise
 
         return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
@@ -238,6 +248,41 @@ def _settle(future: asyncio.Future[StreamAnswer], outcome: StreamAnswer | Servic
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
+
+
+def _bodies(batch: list[_Pending], items: list[bytes]) -> list[tuple[list[_Pending], bytes]]:
+    """`batch` as batch-route bodies of at most `MAX_BATCH_BODY` bytes (one, but for huge
+    calls); a call that cannot fit alone is refused here (413, its own fault: over HTTP
+    derender would refuse its body too), and never sent."""
+    out: list[tuple[list[_Pending], bytes]] = []
+    part: list[_Pending] = []
+    chosen: list[bytes] = []
+    size = 0  # the body's so far, its framing and commas included
+    for p, item in zip(batch, items, strict=True):
+        if BODY_FRAMING + len(item) > MAX_BATCH_BODY:
+            _settle(p.answer, _too_large(len(item)))
+            continue
+        if part and size + 1 + len(item) > MAX_BATCH_BODY:
+            out.append((part, _body(chosen)))
+            part, chosen = [], []
+        size = (size + 1 if part else BODY_FRAMING) + len(item)
+        part.append(p)
+        chosen.append(item)
+    if part:
+        out.append((part, _body(chosen)))
+    return out
+
+
+BODY_FRAMING = len(b'{"requests":[]}')
+
+
+def _body(items: list[bytes]) -> bytes:
+    return b'{"requests":[' + b",".join(items) + b"]}"
+
+
+def _too_large(size: int) -> UpstreamRejected:
+    message = f"a derender call of {size} bytes is over the {MAX_BATCH_BODY} a batch may carry"
+    return UpstreamRejected(413, PayloadTooLarge(message).to_wire())
 
 
 def _split(items: list[_Pending], parts: int) -> list[list[_Pending]]:

@@ -9,13 +9,20 @@ socket carries the batch route's bodies as they are, each behind a one-line head
                                  its answer or its own error envelope; else an error envelope)
 
 Ids are the caller's (answers may come in any order). JSON never holds a raw newline, so the
-head ends at the first one.
+head ends at the first one. The head is a line of text, not a msgspec Struct, because the body
+goes through as the JSON it is, never decoded or re-encoded on the way.
 """
 
 from __future__ import annotations
 
 BATCH_SOCKET_PATH = "/derender/batch/socket"
 HEAD_LIMIT = 64
+MAX_CALL_FRAME = 64 * 1024 * 1024
+"""The largest call frame derender takes (the batch route's body limit, `shared.http.MAX_BODY`);
+the proxy splits batches to fit, and refuses one item that cannot (413: the request's own)."""
+MAX_BATCH_BODY = MAX_CALL_FRAME - HEAD_LIMIT
+MAX_ANSWER_FRAME = 4 * MAX_CALL_FRAME
+"""The largest answer frame the proxy takes (an echo with prompt logprobs outgrows its call)."""
 
 
 class FrameError(ValueError):
@@ -23,10 +30,12 @@ class FrameError(ValueError):
 
 
 def call_frame(call_id: int, kind: str, body: bytes) -> bytes:
+    """A batch (the batch route's body) for derender's `kind` route, under the caller's id."""
     return b"%d %s\n" % (call_id, kind.encode()) + body
 
 
 def answer_frame(call_id: int, status: int, body: bytes) -> bytes:
+    """The answer to call `call_id`, with the status the batch route would have answered."""
     return b"%d %d\n" % (call_id, status) + body
 
 

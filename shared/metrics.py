@@ -41,6 +41,7 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(f"{self.prefix}_{name}", doc, list(labels), registry=self.registry)
@@ -63,9 +64,6 @@ class ServiceMetrics:
         return LoopHistogram(f"{self.prefix}_{name}", doc, buckets, self.registry)
 
     def middleware(self) -> Any:
-        # each (route, status)'s children, looked up once: labels() costs a lock and checks
-        children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
-
         @web.middleware
         async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
             route = request.match_info.route.resource
@@ -80,16 +78,22 @@ class ServiceMetrics:
                 status = CLIENT_GONE
                 raise
             finally:
-                found = children.get((name, status))
-                if found is None:
-                    found = children[name, status] = (
-                        self.requests.labels(name, str(status)),
-                        self.latency.labels(name),
-                    )
-                found[0].inc()
-                found[1].observe(time.perf_counter() - start)
+                self.record(name, status, time.perf_counter() - start)
 
         return record
+
+    def record(self, route: str, status: int, seconds: float) -> None:
+        """One call to `route` answered with `status`: the middleware's, and each frame a
+        socket carries (one socket is one HTTP request)."""
+        found = self._children.get((route, status))
+        if found is None:
+            # each (route, status)'s children, looked up once: labels() costs a lock and checks
+            found = self._children[route, status] = (
+                self.requests.labels(route, str(status)),
+                self.latency.labels(route),
+            )
+        found[0].inc()
+        found[1].observe(seconds)
 
     async def handle(self, request: web.Request) -> web.Response:
         return web.Response(

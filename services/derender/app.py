@@ -7,14 +7,16 @@ batched form of it; the ZMQ channel (`channel.py`) answers the same calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-from aiohttp import WSMsgType, web
+from aiohttp import ClientConnectionResetError, WSMsgType, web
 from prometheus_client import Counter
 
 from tokenline.services.derender.bounds import DerenderSettings
@@ -23,9 +25,14 @@ from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import DerenderRequest, derender
 from tokenline.services.derender.detokenize import detokenize
 from tokenline.services.derender.texts import token_texts
-from tokenline.shared.errors import BadRequest, as_service_error
-from tokenline.shared.frames import BATCH_SOCKET_PATH, answer_frame, read_call
-from tokenline.shared.http import MAX_BODY, Handler, json_response, make_base_app, read_json_body
+from tokenline.shared.errors import (
+    BadRequest,
+    ServiceError,
+    ShuttingDown,
+    as_service_error,
+)
+from tokenline.shared.frames import BATCH_SOCKET_PATH, MAX_CALL_FRAME, answer_frame, read_call
+from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
@@ -184,21 +191,29 @@ class BatchSocket:
 
     socket: web.WebSocketResponse
     answering: set[asyncio.Task[None]]
+    closing: bool = False
+    """The service is stopping: a new frame is answered 503 at once (the proxy goes
+    elsewhere) instead of being started and cut."""
 
 
 SOCKETS = web.AppKey("derender_batch_sockets", set[BatchSocket])
 SHUTDOWN_GRACE = 5.0
 """Seconds a socket's batches in flight get to be answered when the service stops."""
+HEARTBEAT = 30.0
+"""Seconds between pings on a batch socket: a proxy gone without a word (its host down) is
+noticed, and its socket closed, within about this."""
 
 
 async def batch_socket(request: web.Request) -> web.WebSocketResponse:
     """tokenline extension, the batched transport's carrier: the batch routes' calls as binary
     messages on one WebSocket (`shared/frames.py`), each answered when its items are, by the
-    same functions as the routes. A frame that is no call closes the socket (1002, 1003)."""
-    socket = web.WebSocketResponse(max_msg_size=MAX_BODY)
+    same functions as the routes (and counted in the metrics as calls to them). A frame that is
+    no call closes the socket (1002, 1003); one over `MAX_CALL_FRAME`, 1009."""
+    socket = web.WebSocketResponse(max_msg_size=MAX_CALL_FRAME, heartbeat=HEARTBEAT)
     await socket.prepare(request)
-    state, held = request.app[STATE], BatchSocket(socket, set())
-    request.app[SOCKETS].add(held)
+    app = request.app
+    held = BatchSocket(socket, set())
+    app[SOCKETS].add(held)
     try:
         async for message in socket:
             if message.type is not WSMsgType.BINARY:
@@ -209,11 +224,14 @@ async def batch_socket(request: web.Request) -> web.WebSocketResponse:
             except ValueError as exc:
                 await socket.close(code=1002, message=str(exc)[:100].encode())
                 break
-            task = asyncio.create_task(_answer_frame(socket, state, call_id, name, body))
+            if held.closing:
+                await _send(socket, call_id, ShuttingDown("derender is shutting down"))
+                continue
+            task = asyncio.create_task(_answer_frame(app, socket, call_id, name, body))
             held.answering.add(task)
             task.add_done_callback(held.answering.discard)
     finally:
-        request.app[SOCKETS].discard(held)
+        app[SOCKETS].discard(held)
         for task in held.answering:
             task.cancel()
     return socket
@@ -221,31 +239,48 @@ async def batch_socket(request: web.Request) -> web.WebSocketResponse:
 
 async def close_batch_sockets(app: web.Application) -> None:
     """On shutdown (the listener already closed): each socket's batches in flight answered
-    (for up to `SHUTDOWN_GRACE`), then the socket closed as going away, so the proxy sends the
-    next batches to another replica; an open socket would otherwise hold the shutdown up."""
+    (for up to `SHUTDOWN_GRACE`; new ones get a 503), then every socket closed as going away,
+    so the proxy sends the next batches to another replica; an open socket would otherwise
+    hold the shutdown up (aiohttp waits for its handler)."""
     sockets: set[BatchSocket] = app[SOCKETS]
     held = list(sockets)
+    for h in held:
+        h.closing = True
     answering = [t for h in held for t in h.answering]
     if answering:
         await asyncio.wait(answering, timeout=SHUTDOWN_GRACE)
-    for h in held:
-        await h.socket.close(code=1001, message=b"derender shutting down")
+    closing = (h.socket.close(code=1001, message=b"derender shutting down") for h in held)
+    await asyncio.gather(*closing, return_exceptions=True)
 
 
 async def _answer_frame(
-    socket: web.WebSocketResponse, state: DerenderState, call_id: int, name: str, body: bytes
+    app: web.Application, socket: web.WebSocketResponse, call_id: int, name: str, body: bytes
 ) -> None:
+    start = time.perf_counter()
+    kind = KINDS.get(name)  # type: ignore[call-overload]
     try:
-        kind = KINDS.get(name)  # type: ignore[call-overload]
         if kind is None:
             raise BadRequest(f"no derender batch kind {name!r}")
-        answers = await _batch_answers(state, kind, _batch_items(kind, body))
-        status, answer = 200, JSON.encode(answers)
+        answers = await _batch_answers(app[STATE], kind, _batch_items(kind, body))
+        outcome: bytes | ServiceError = JSON.encode(answers)
     except Exception as exc:
-        error = as_service_error(exc)
-        status, answer = error.status, JSON.encode(error.to_wire())
-    if not socket.closed:
-        await socket.send_bytes(answer_frame(call_id, status, answer))
+        outcome = as_service_error(exc)
+    status = await _send(socket, call_id, outcome)
+    route = kind.batch_path if kind is not None else BATCH_SOCKET_PATH
+    app[METRICS].record(route, status, time.perf_counter() - start)
+
+
+async def _send(socket: web.WebSocketResponse, call_id: int, outcome: bytes | ServiceError) -> int:
+    """`outcome` (the batch's answers, or its error) sent as call `call_id`'s answer; its
+    status. A socket closing under it drops it: the proxy fails that batch over."""
+    if isinstance(outcome, ServiceError):
+        status, body = outcome.status, JSON.encode(outcome.to_wire())
+    else:
+        status, body = 200, outcome
+    with contextlib.suppress(ConnectionError, ClientConnectionResetError):
+        if not socket.closed:
+            await socket.send_bytes(answer_frame(call_id, status, body))
+    return status
 
 
 async def detokenize_route(request: web.Request) -> web.Response:

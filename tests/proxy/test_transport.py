@@ -18,6 +18,7 @@ import uvloop
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
 
+from tokenline.proxy import transport as transport_module
 from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.flow import StreamCall
 from tokenline.proxy.h1 import Client, Limits
@@ -35,17 +36,22 @@ from tokenline.shared.wire import (
     GenerateStreamChunk,
 )
 
-WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC11B65"
+WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455
 RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
 LIMITS = Limits(connect=5, read=30)
 METRICS = ProxyMetrics()
 
 
-def call(token: int) -> StreamCall:
+def call(token: int, raw: bytes = RAW) -> StreamCall:
     chunk = GenerateStreamChunk(
         request_id="e", choices=[GenerateStreamChoice(index=0, token_ids=[token])]
     )
-    return StreamCall(CHAT, "tiny", chunk, None, [1, 2], RAW, CHAT_REQUEST.decode(RAW))
+    return StreamCall(CHAT, "tiny", chunk, None, [1, 2], raw, CHAT_REQUEST.decode(RAW))
+
+
+def big_call(token: int, size: int) -> StreamCall:
+    """A call whose client request (sent as it is) is `size` bytes of padding."""
+    return call(token, b'{"pad": "' + b"x" * size + b'"}')
 
 
 def answer_for(item: dict[str, object]) -> dict[str, object]:
@@ -67,7 +73,10 @@ class FakeDerender:
     a 500 that is no error envelope; `hang`: nothing answered; `drop`: the socket closed on the
     next batch instead of answering it."""
 
-    def __init__(self, fail: bool = False, hang: bool = False, drop: bool = False) -> None:
+    def __init__(
+        self, fail: bool = False, hang: bool = False, drop: bool = False, fail_once: bool = False
+    ) -> None:
+        self.fail_once = fail_once
         self.hang = hang
         self.drop = drop
         self.batches: list[int] = []
@@ -79,7 +88,7 @@ class FakeDerender:
         self.app.router.add_post(CHAT.derender_path, self.single)
 
     async def socket(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse()
+        ws = web.WebSocketResponse(max_msg_size=0)
         await ws.prepare(request)
         self.sockets += 1
         async for message in ws:
@@ -92,7 +101,8 @@ class FakeDerender:
                 break
             if self.hang:
                 continue
-            if self.fail:
+            if self.fail or self.fail_once:
+                self.fail_once = False
                 await ws.send_bytes(answer_frame(call_id, 500, b"down"))
                 continue
             items = json.loads(body)["requests"]
@@ -267,9 +277,11 @@ async def test_a_hung_batch_times_out_and_another_replica_answers() -> None:
             await s.close()
 
 
-async def test_a_replica_gone_silent_costs_its_timeout_not_a_close_handshake() -> None:
-    """A replica that took the socket and went silent (its event loop stuck) sends no close
-    frame: the batch goes to another replica at its read timeout, without waiting on one."""
+@pytest.mark.parametrize("size", [0, 32 * 1024 * 1024])
+async def test_a_replica_gone_silent_costs_its_read_timeout(size: int) -> None:
+    """A replica that took the socket and went silent (its event loop stuck): the batch goes
+    to another replica at its read timeout, a big one too (whose frame the silent replica
+    never reads: the send is under the timeout)."""
 
     held: list[asyncio.StreamWriter] = []
 
@@ -296,8 +308,9 @@ async def test_a_replica_gone_silent_costs_its_timeout_not_a_close_handshake() -
     client = Client()
     transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 0.3))
     try:
-        got = await asyncio.wait_for(transport.stream(call(3)), 5)  # aiohttp's close waits 10
+        got = await asyncio.wait_for(transport.stream(big_call(3, size) if size else call(3)), 10)
         assert _content(got) == "3" and fine.batches == [1]
+        assert held  # the silent replica took the socket: the batch went there first
     finally:
         await asyncio.wait_for(transport.close(), 5)
         await client.close()
@@ -307,6 +320,42 @@ async def test_a_replica_gone_silent_costs_its_timeout_not_a_close_handshake() -
         await stuck.wait_closed()
         for s in servers:
             await s.close()
+
+
+async def test_an_error_answer_is_that_batchs_alone(client: Client) -> None:
+    """A batch answered with an error (no envelope: the replica's fault) fails alone: the
+    socket stays, and one fault does not take the replica out."""
+    fake = FakeDerender(fail_once=True)
+    async with batched(client, [fake]) as (transport, pool):
+        with pytest.raises(UpstreamError):
+            await transport._exchange(CHAT, _batch_body(1))
+        assert _content(await transport.stream(call(2))) == "2"
+        assert fake.sockets == 1 and pool.workers[0].breaker.state == "closed"
+
+
+async def test_a_replica_leaving_the_rotation_loses_its_socket(client: Client) -> None:
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, pool):
+        assert _content(await transport.stream(call(1))) == "1"
+        pool.workers[0].abandon()  # its health checks failed
+        assert transport.sockets.sockets == {}
+        assert _content(await transport.stream(call(2))) == "2" and fake.sockets == 2
+
+
+async def test_calls_too_big_for_one_frame_are_split_and_one_too_big_alone_refused(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frames stay under what derender takes: a batch over it goes as several, and a call
+    that cannot fit alone is refused as the request's own fault (413; no replica ejected)."""
+    size = len(transport_module._body([b"x" * 1000]))
+    monkeypatch.setattr(transport_module, "MAX_BATCH_BODY", 2 * size)
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, pool):
+        calls = [big_call(1, 600), big_call(2, 600), big_call(3, 600), big_call(4, 3 * size)]
+        results = await asyncio.gather(*map(transport.stream, calls), return_exceptions=True)
+        assert [_content(r) for r in results[:3]] == ["1", "2", "3"]
+        assert isinstance(results[3], UpstreamRejected) and results[3].status == 413
+        assert sorted(fake.batches) == [1, 2] and pool.healthy() == pool.workers
 
 
 async def test_a_derender_without_the_batch_socket_is_named(client: Client) -> None:

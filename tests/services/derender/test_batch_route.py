@@ -92,6 +92,10 @@ async def test_batch_socket_answers_each_call_by_id(
     assert got[8][0] == 400 and "no derender batch kind 'poem'" in got[8][1]["error"]["message"]
     assert got[9][0] == 400 and got[9][1]["error"]["code"] == 400  # no batch at all
     await ws.close()
+    metrics = await (await client.get("/metrics")).text()  # each frame as a call to its route
+    assert f'route="{CHAT.batch_path}",status="200"}} 1.0' in metrics
+    assert f'route="{CHAT.batch_path}",status="400"}} 1.0' in metrics
+    assert f'route="{BATCH_SOCKET_PATH}",status="400"}} 1.0' in metrics
 
 
 @pytest.mark.parametrize(
@@ -126,6 +130,22 @@ async def test_stopping_closes_the_batch_sockets(tiny_tok: ModelTokenizer) -> No
         assert closing.type is WSMsgType.CLOSE and closing.data == 1001
     finally:
         await session.close()
+
+
+async def test_a_frame_arriving_while_stopping_is_answered_503(
+    client: TestClient, tiny_tok: ModelTokenizer
+) -> None:
+    """Between the grace for batches in flight and the close, a new frame is turned away at
+    once (the proxy takes 503 as the replica's and goes elsewhere), not started and cut."""
+    ws = await client.ws_connect(BATCH_SOCKET_PATH)
+    await ws.send_bytes(call_frame(1, "chat", json.dumps({"requests": [_item([5])]}).encode()))
+    assert read_answer(await ws.receive_bytes(timeout=10))[:2] == (1, 200)
+    for held in client.server.app[SOCKETS]:
+        held.closing = True
+    await ws.send_bytes(call_frame(2, "chat", json.dumps({"requests": [_item([5])]}).encode()))
+    call_id, status, body = read_answer(await ws.receive_bytes(timeout=10))
+    assert (call_id, status) == (2, 503) and "shutting down" in json.loads(body)["error"]["message"]
+    await ws.close()
 
 
 async def test_stopping_lets_the_batches_in_flight_be_answered_first() -> None:
