@@ -281,7 +281,7 @@ async def test_a_hung_batch_times_out_and_another_replica_answers() -> None:
 async def test_a_replica_gone_silent_costs_its_read_timeout(size: int) -> None:
     """A replica that took the socket and went silent (its event loop stuck): the batch goes
     to another replica at its read timeout, a big one too (whose frame the silent replica
-    never reads: the send is under the timeout)."""
+    never reads: the send is under the timeout; 2 s lets the other replica take 32 MB in)."""
 
     held: list[asyncio.StreamWriter] = []
 
@@ -306,7 +306,7 @@ async def test_a_replica_gone_silent_costs_its_read_timeout(size: int) -> None:
     port = stuck.sockets[0].getsockname()[1]
     pool = Pool("derender", (f"http://127.0.0.1:{port}", pool.workers[0].url))
     client = Client()
-    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 0.3))
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 2.0 if size else 0.3))
     try:
         got = await asyncio.wait_for(transport.stream(big_call(3, size) if size else call(3)), 10)
         assert _content(got) == "3" and fine.batches == [1]
