@@ -211,11 +211,8 @@ class BatchedDerender(HttpDerender):
         """One batch answered by a replica (another one if it fails: derender is pure)."""
 
         async def once(worker: Worker) -> bytes:
-            try:
-                with self.pool.lease(worker):
-                    return await self.sockets.exchange(worker, kind.name, body)
-            except UpstreamRejected:
-                raise
+            with self.pool.lease(worker):
+                return await self.sockets.exchange(worker, kind.name, body)
 
         return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
 

@@ -306,7 +306,9 @@ async def test_a_replica_gone_silent_costs_its_read_timeout(size: int) -> None:
     port = stuck.sockets[0].getsockname()[1]
     pool = Pool("derender", (f"http://127.0.0.1:{port}", pool.workers[0].url))
     client = Client()
-    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 2.0 if size else 0.3))
+    transport = BatchedDerender(
+        client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 2.0 if size else 0.3)
+    )
     try:
         got = await asyncio.wait_for(transport.stream(big_call(3, size) if size else call(3)), 10)
         assert _content(got) == "3" and fine.batches == [1]

@@ -49,6 +49,9 @@ class Qwen3CoderState(LeafState, tag="qwen3_coder"):
     """Content not sent yet: text starting with whitespace, or a trailing whitespace run."""
     committed: bool = False
     """Content has started to be sent (its leading whitespace is decided)."""
+    inked: bool = False
+    """Content before any call had something besides whitespace, counting what vanishes from
+    it (special tokens, `</think>`): vLLM judges a forced choice's blank answer on that."""
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Qwen3Coder(Leaf[Qwen3CoderState]):
             if lexeme.literal in (xml.TOOL, xml.FUNC):
                 state.in_region, state.held = True, buf[lexeme.start :]
                 break
+            state.inked = state.inked or bool(lexeme.text.strip())
             out += self._gate(self._text(lexeme), at + lexeme.start)
         starts = [state.spans.total - len(state.held), *(at for _, at in state.gate)]
         release(state.spans, min(starts))
@@ -130,6 +134,7 @@ class Qwen3Coder(Leaf[Qwen3CoderState]):
         region_at = state.spans.total - len(state.held)
         if not state.in_region:
             lexemes = lex(state.held, _literals(self.options.special_tokens, False), True)[0]
+            state.inked = state.inked or any(lx.text.strip() for lx in lexemes)
             runs = [*state.gate, *((self._text(lx), region_at + lx.start) for lx in lexemes)]
             return self._content(runs, xml.Scan())
         scan = xml.scan(state.held, self.config)
@@ -145,8 +150,11 @@ class Qwen3Coder(Leaf[Qwen3CoderState]):
             return self._piece(runs, 0, len(text))
         if self.state.committed:
             return self._piece(runs, 0, len(text.rstrip()) if scan.calls else len(text))
+        # a forced choice's answer that was only whitespace is no content; before any call
+        # markup, vLLM counts what vanished from it (a special token) as an answer
         forced = self.options.tool_choice in ("required", "named")
-        if not text.strip() and (scan.slots or forced):
+        blank = forced and (self.state.in_region or not self.state.inked)
+        if not text.strip() and (scan.slots or blank):
             return []
         if scan.calls:
             return self._piece(runs, len(text) - len(text.lstrip()), len(text.rstrip()))
