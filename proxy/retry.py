@@ -77,7 +77,8 @@ async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], A
         async with asyncio.timeout(None) as watch:
 
             def give_up() -> None:
-                watch.reschedule(asyncio.get_running_loop().time())
+                if not watch.expired():  # a second abandon while the first unwinds
+                    watch.reschedule(asyncio.get_running_loop().time())
 
             worker.watching.add(give_up)
             try:

@@ -32,6 +32,8 @@ from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
     UpstreamRejected,
+    UpstreamUnavailable,
+    as_service_error,
 )
 from tokenline.shared.frames import MAX_BATCH_BODY
 from tokenline.shared.kinds import Kind, KindName
@@ -98,7 +100,7 @@ class HttpDerender:
         return None
 
 
-class _Pending(msgspec.Struct):
+class _Pending(msgspec.Struct, eq=False):
     call: StreamCall
     answer: asyncio.Future[StreamAnswer]
 
@@ -122,7 +124,7 @@ class BatchedDerender(HttpDerender):
     flushing: set[asyncio.Task[None]] = field(default_factory=set)
     streams: int = 0
     """Streams whose chunks keep coming (`streaming()`)."""
-    answering: int = 0
+    answering: set[_Pending] = field(default_factory=set)
     """Calls sent and not yet answered (their streams cannot join the next batch)."""
     flush: asyncio.Handle | None = None
     """The batch's send, scheduled: at the end of this turn, or when `wait` runs out."""
@@ -157,7 +159,7 @@ class BatchedDerender(HttpDerender):
                 self._schedule(self.loop or asyncio.get_running_loop())
 
     def _schedule(self, loop: asyncio.AbstractEventLoop, urgent: bool = False) -> None:
-        if urgent or self.pending >= self.streams - self.answering:
+        if urgent or self.pending >= self.streams - len(self.answering):
             if self.flush is not None and self.timed:
                 self.flush.cancel()
                 self.flush = None
@@ -184,8 +186,15 @@ class BatchedDerender(HttpDerender):
         kind = batch[0].call.kind
         items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw), True)) for p in batch]
         parts = _bodies(batch, items)
-        self.answering += sum(len(part) for part, _ in parts)
-        await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
+        for part, _ in parts:
+            self.answering.update(part)
+        try:
+            await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
+        finally:  # cancelled (the transport closing): what is still unanswered is given up
+            self.answering.difference_update(batch)
+            gone = UpstreamUnavailable("the proxy's derender transport closed")
+            for p in batch:
+                _settle(p.answer, gone)
 
     async def _answer(self, kind: Kind, batch: list[_Pending], body: bytes) -> None:
         """One request body's calls answered (or failed together, if the whole body fails);
@@ -198,12 +207,12 @@ class BatchedDerender(HttpDerender):
                 raise UpstreamError(
                     f"derender answered {len(answers)} items to a batch of {len(batch)}"
                 )
-        except ServiceError as exc:
-            outcomes = [exc] * len(batch)
+        except Exception as exc:  # a bug too: its callers must hear, or they wait forever
+            outcomes = [as_service_error(exc)] * len(batch)
         else:
             outcomes = [_item(bytes(raw)) for raw in answers]
         finally:
-            self.answering -= len(batch)
+            self.answering.difference_update(batch)
         for p, outcome in zip(batch, outcomes, strict=True):
             _settle(p.answer, outcome)
 

@@ -34,7 +34,7 @@ from tokenline.shared.errors import (
 from tokenline.shared.frames import BATCH_SOCKET_PATH, MAX_CALL_FRAME, answer_frame, read_call
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
-from tokenline.shared.metrics import ServiceMetrics
+from tokenline.shared.metrics import CLIENT_GONE, ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST, JSON
@@ -225,7 +225,8 @@ async def batch_socket(request: web.Request) -> web.WebSocketResponse:
                 await socket.close(code=1002, message=str(exc)[:100].encode())
                 break
             if held.closing:
-                await _send(socket, call_id, ShuttingDown("derender is shutting down"))
+                status = await _send(socket, call_id, ShuttingDown("derender is shutting down"))
+                app[METRICS].record(_frame_route(name), status, 0.0)
                 continue
             task = asyncio.create_task(_answer_frame(app, socket, call_id, name, body))
             held.answering.add(task)
@@ -256,18 +257,26 @@ async def close_batch_sockets(app: web.Application) -> None:
 async def _answer_frame(
     app: web.Application, socket: web.WebSocketResponse, call_id: int, name: str, body: bytes
 ) -> None:
-    start = time.perf_counter()
+    """One frame answered, and recorded as a call to its kind's batch route (`unmatched` for
+    no kind; cut short by its socket closing: `CLIENT_GONE`, as the middleware has it)."""
+    start, status = time.perf_counter(), CLIENT_GONE
     kind = KINDS.get(name)  # type: ignore[call-overload]
     try:
-        if kind is None:
-            raise BadRequest(f"no derender batch kind {name!r}")
-        answers = await _batch_answers(app[STATE], kind, _batch_items(kind, body))
-        outcome: bytes | ServiceError = JSON.encode(answers)
-    except Exception as exc:
-        outcome = as_service_error(exc)
-    status = await _send(socket, call_id, outcome)
-    route = kind.batch_path if kind is not None else BATCH_SOCKET_PATH
-    app[METRICS].record(route, status, time.perf_counter() - start)
+        try:
+            if kind is None:
+                raise BadRequest(f"no derender batch kind {name!r}")
+            answers = await _batch_answers(app[STATE], kind, _batch_items(kind, body))
+            outcome: bytes | ServiceError = JSON.encode(answers)
+        except Exception as exc:
+            outcome = as_service_error(exc)
+        status = await _send(socket, call_id, outcome)
+    finally:
+        app[METRICS].record(_frame_route(name), status, time.perf_counter() - start)
+
+
+def _frame_route(name: str) -> str:
+    kind = KINDS.get(name)  # type: ignore[call-overload]
+    return kind.batch_path if kind is not None else "unmatched"
 
 
 async def _send(socket: web.WebSocketResponse, call_id: int, outcome: bytes | ServiceError) -> int:

@@ -27,7 +27,12 @@ from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.transport import BatchedDerender, HttpDerender
 from tokenline.services.derender.channel import channel_ctx, endpoint
-from tokenline.shared.errors import UpstreamError, UpstreamRejected, UpstreamUnavailable
+from tokenline.shared.errors import (
+    ServiceError,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamUnavailable,
+)
 from tokenline.shared.frames import BATCH_SOCKET_PATH, answer_frame, read_call
 from tokenline.shared.kinds import CHAT, Kind
 from tokenline.shared.wire import (
@@ -82,6 +87,7 @@ class FakeDerender:
         self.batches: list[int] = []
         self.singles: list[bytes] = []
         self.sockets = 0
+        self.received = asyncio.Event()
         self.fail = fail
         self.app = web.Application()
         self.app.router.add_get(BATCH_SOCKET_PATH, self.socket)
@@ -95,6 +101,7 @@ class FakeDerender:
             assert message.type is WSMsgType.BINARY
             call_id, kind, body = read_call(message.data)
             assert kind == "chat"
+            self.received.set()
             if self.drop:
                 self.drop = False
                 await ws.close()
@@ -358,6 +365,44 @@ async def test_calls_too_big_for_one_frame_are_split_and_one_too_big_alone_refus
         assert [_content(r) for r in results[:3]] == ["1", "2", "3"]
         assert isinstance(results[3], UpstreamRejected) and results[3].status == 413
         assert sorted(fake.batches) == [1, 2] and pool.healthy() == pool.workers
+
+
+async def test_closing_the_transport_answers_the_calls_it_cut() -> None:
+    """Closing cancels the batches in flight: their callers hear at once (they would wait
+    forever) and none counts as answering any more."""
+    hung = FakeDerender(hang=True)
+    pool, servers = await serve([hung])
+    client = Client()
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(1, 60))
+    try:
+        waiting = asyncio.ensure_future(transport.stream(call(1)))
+        await asyncio.wait_for(hung.received.wait(), 5)
+        assert transport.answering
+        await asyncio.wait_for(transport.close(), 5)
+        with pytest.raises(UpstreamUnavailable, match="transport closed"):
+            await asyncio.wait_for(waiting, 5)
+        assert transport.answering == set()
+    finally:
+        await client.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_bug_under_a_batch_fails_its_calls_instead_of_stranding_them(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with batched(client, [FakeDerender()]) as (transport, _):
+
+        async def broken(kind: Kind, body: bytes) -> bytes:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(transport, "_exchange", broken)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(transport.stream(call(t)) for t in range(3)), return_exceptions=True),
+            5,
+        )
+        assert all(isinstance(r, ServiceError) and r.status == 500 for r in results)
+        assert transport.answering == set()
 
 
 async def test_a_derender_without_the_batch_socket_is_named(client: Client) -> None:
