@@ -106,7 +106,7 @@ class BatchSockets:
     closing: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def exchange(self, worker: Worker, kind: str, body: bytes) -> bytes:
-        """The batch route's answer to `body` (at most `MAX_FRAME` bytes) from `worker`; an
+        """The batch route's answer to `body` (at most `MAX_BATCH_BODY` bytes) from `worker`; an
         error answer raises (`rejected_or_failed`), a failed socket raises its failure."""
         sock = await self._socket(worker)
         call_id = next(self.ids)

@@ -279,11 +279,11 @@ def _bodies(batch: list[_Pending], items: list[bytes]) -> list[tuple[list[_Pendi
     return out
 
 
-BODY_FRAMING = len(b'{"requests":[]}')
-
-
 def _body(items: list[bytes]) -> bytes:
     return b'{"requests":[' + b",".join(items) + b"]}"
+
+
+BODY_FRAMING = len(_body([]))
 
 
 def _too_large(size: int) -> UpstreamRejected:

@@ -15,10 +15,12 @@ goes through as the JSON it is, never decoded or re-encoded on the way.
 
 from __future__ import annotations
 
+from tokenline.shared.http import MAX_BODY
+
 BATCH_SOCKET_PATH = "/derender/batch/socket"
 HEAD_LIMIT = 64
-MAX_CALL_FRAME = 64 * 1024 * 1024
-"""The largest call frame derender takes (the batch route's body limit, `shared.http.MAX_BODY`);
+MAX_CALL_FRAME = MAX_BODY
+"""The largest call frame derender takes (the batch route's body limit);
 the proxy splits batches to fit, and refuses one item that cannot (413: the request's own)."""
 MAX_BATCH_BODY = MAX_CALL_FRAME - HEAD_LIMIT
 MAX_ANSWER_FRAME = 4 * MAX_CALL_FRAME

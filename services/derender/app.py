@@ -226,7 +226,7 @@ async def batch_socket(request: web.Request) -> web.WebSocketResponse:
                 break
             if held.closing:
                 status = await _send(socket, call_id, ShuttingDown("derender is shutting down"))
-                app[METRICS].record(_frame_route(name), status, 0.0)
+                app[METRICS].record(_frame_route(_kind(name)), status, 0.0)
                 continue
             task = asyncio.create_task(_answer_frame(app, socket, call_id, name, body))
             held.answering.add(task)
@@ -260,7 +260,7 @@ async def _answer_frame(
     """One frame answered, and recorded as a call to its kind's batch route (`unmatched` for
     no kind; cut short by its socket closing: `CLIENT_GONE`, as the middleware has it)."""
     start, status = time.perf_counter(), CLIENT_GONE
-    kind = KINDS.get(name)  # type: ignore[call-overload]
+    kind = _kind(name)
     try:
         try:
             if kind is None:
@@ -271,11 +271,16 @@ async def _answer_frame(
             outcome = as_service_error(exc)
         status = await _send(socket, call_id, outcome)
     finally:
-        app[METRICS].record(_frame_route(name), status, time.perf_counter() - start)
+        app[METRICS].record(_frame_route(kind), status, time.perf_counter() - start)
 
 
-def _frame_route(name: str) -> str:
-    kind = KINDS.get(name)  # type: ignore[call-overload]
+def _kind(name: str) -> Kind | None:
+    """A frame's kind, by the name its head gives (None: no such kind)."""
+    return KINDS.get(name)  # type: ignore[call-overload,no-any-return]
+
+
+def _frame_route(kind: Kind | None) -> str:
+    """The route a frame counts under in the metrics."""
     return kind.batch_path if kind is not None else "unmatched"
 
 
