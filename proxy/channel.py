@@ -124,6 +124,7 @@ class ZmqDerender(HttpDerender):
             await conn.close()
 
     async def close(self) -> None:
+        await self.cancel_submitted()
         for url in list(self.connections):
             await self.connections.pop(url).close()
         self.context.term()

@@ -398,10 +398,14 @@ class StreamFlow:
     first_views: list[DerenderView] = field(init=False)
     """Per prompt: the view its choices' first calls carry (`view` unless echo or the role
     needs the prompt), each encoded once."""
+    continuous_usage: bool = field(init=False)
+    """Every chunk carries usage (`stream_options.continuous_usage_stats`)."""
 
     def __post_init__(self) -> None:
         self.view = DerenderView.of(self.kind, self.client)
         self.first_views = [self._first_view(p) for p in range(len(self.gens))]
+        opts = self.client.stream_options
+        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
     def _first_view(self, p: int) -> DerenderView:
         prompt = self.kind.first_fields(self.client, p)
@@ -477,7 +481,7 @@ class StreamFlow:
         if not head.choices:
             return None
         out: ClientChunk | msgspec.Raw = answer.chunk
-        if self._continuous_usage():
+        if self.continuous_usage:
             usage = self.usage(p, prog.completion_tokens, [prog])
             decoded = self.kind.chunk_json.decode(answer.chunk) if raw else answer.chunk
             out = msgspec.structs.replace(decoded, usage=usage)
@@ -493,6 +497,10 @@ class StreamFlow:
         """Prompt `p`'s output so far (its one choice: only one-choice streams migrate)."""
         prog = self.progress.get((p, 0))
         return [] if prog is None else prog.generated
+
+    def over(self, p: int, chunk: GenerateStreamChunk) -> bool:
+        """The choice of `chunk` (of prompt `p`, accepted) is over."""
+        return self.progress[(p, chunk.choices[0].index)].finished
 
     def prompt_done(self, p: int) -> bool:
         states = [self.progress.get((p, i)) for i in range(self.n)]
@@ -531,7 +539,3 @@ class StreamFlow:
             "choices": [],
             "usage": {k: v for k, v in usage.items() if v is not None},  # vLLM leaves out nulls
         }
-
-    def _continuous_usage(self) -> bool:
-        opts = self.client.stream_options
-        return bool(opts and opts.include_usage and opts.continuous_usage_stats)

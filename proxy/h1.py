@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import functools
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, cast
 from urllib.parse import urlsplit
@@ -329,6 +329,12 @@ class _Connection(asyncio.Protocol):
         self.watchdog: asyncio.TimerHandle | None = None
         self.read_timeout: float | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.tap: Callable[[bytes], None] | None = None
+        """Takes the body's bytes as they arrive, in `data_received` (`Response.tapped`)."""
+        self.held = False
+        """The tap is busy: bytes wait in `pieces` (and reads stop at `HIGH_WATER`)."""
+        self.untapped: asyncio.Future[None] | None = None
+        """Set when tapping ends: the tap's caller stopped it, or the answer ended or failed."""
 
     # asyncio.Protocol
 
@@ -353,6 +359,10 @@ class _Connection(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
+        if self.tap is not None and not parser.done:
+            if not self.held:
+                self._tapped()
+            return
         self._wake()
 
     def eof_received(self) -> bool | None:
@@ -448,6 +458,25 @@ class _Connection(asyncio.Protocol):
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        self.untap()
+
+    # tapping: the body's bytes handed over in the event loop's callbacks
+
+    def _tapped(self) -> None:
+        """What arrived, to the tap (which may hold, or stop, tapping)."""
+        pieces = self.take()
+        if pieces and self.tap is not None:
+            try:
+                self.tap(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+            except Exception as exc:  # a bug: the reader hears it, not the event loop
+                self._fail(exc)
+
+    def untap(self) -> None:
+        """Tapping over (bytes that come now wait in `pieces`)."""
+        self.tap = None
+        untapped = self.untapped
+        if untapped is not None and not untapped.done():
+            untapped.set_result(None)
 
     def _watch(self) -> None:
         """The read timeout, checked lazily: one timer per answer, moved on as bytes arrive."""
@@ -456,6 +485,7 @@ class _Connection(asyncio.Protocol):
         if timeout is None or self.parser is None:
             return
         waiting = self.waiter is not None and not self.waiter.done()
+        waiting = waiting or (self.tap is not None and not self.held)
         now = self.loop.time()
         if waiting and now - self.activity >= timeout:
             self._fail(TimeoutError(f"no bytes for {timeout:g} s"))
@@ -472,6 +502,9 @@ class Response:
         self._conn = conn
         self.status = head.status
         self.headers = head.fields
+        self._tapping = False
+        """In `tapped`: `hold`, `release` and `untap` act (never on the connection's next
+        answer, once it went back to the pool)."""
 
     async def read(self) -> bytes:
         pieces = []
@@ -500,6 +533,54 @@ class Response:
     def close(self) -> None:
         """Give up on this answer now: the connection closes (a reader waiting on it fails)."""
         self._conn._fail(Broken("closed by the caller"))
+
+    async def tapped(self, tap: Callable[[bytes], None]) -> None:
+        """The body's bytes handed to `tap` as they arrive, in the event loop's callbacks (no
+        task woken per read), until `untap()`, the body's end, or a failure; then what is left
+        is read as before (`next_piece`). The tap may `hold()` the bytes that come meanwhile
+        and `release()` them (all at once, as one read)."""
+        conn = self._conn
+        parser = conn.parser
+        assert parser is not None
+        if parser.done or conn.error is not None or conn.lost:
+            return
+        conn.tap, conn.held = tap, False
+        conn.untapped = conn.loop.create_future()
+        conn.activity = conn.loop.time()
+        self._tapping = True
+        try:
+            if conn.pieces:
+                conn._tapped()
+            await conn.untapped
+        finally:
+            self._tapping = False
+            conn.untapped, conn.held = None, False
+            conn.tap = None
+
+    def hold(self) -> None:
+        """Bytes that come wait (in the connection, and in the socket past `HIGH_WATER`)."""
+        if self._tapping:
+            self._conn.held = True
+
+    def release(self) -> None:
+        """The tap takes bytes again: those that waited at once, as one read."""
+        conn = self._conn
+        if not self._tapping or conn.tap is None:
+            return
+        conn.held = False
+        conn.activity = conn.loop.time()
+        if conn.pieces:
+            conn._tapped()
+
+    def untap(self) -> None:
+        """Tapping over: `tapped` returns (bytes that come wait for `next_piece`)."""
+        if self._tapping:
+            self._conn.untap()
+
+    def ended(self) -> bool:
+        """The body ended, or the connection failed or closed."""
+        conn = self._conn
+        return conn.error is not None or conn.lost or conn.parser is None or conn.parser.done
 
 
 class Client:

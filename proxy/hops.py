@@ -22,7 +22,7 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
-from tokenline.proxy.upstream import GENERATE_PATH, post, post_any, stream_payloads
+from tokenline.proxy.upstream import GENERATE_PATH, Pumping, post, post_any, stream_payloads
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -175,7 +175,7 @@ class Hops:
 
     def generate_stream(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
-    ) -> tuple[Worker, AsyncGenerator[list[bytes], None]]:
+    ) -> tuple[Worker, AsyncGenerator[list[bytes], Pumping | None]]:
         """A decode replica and the SSE payloads of `gen` streamed on it (those of one read
         together)."""
         pool = self.pools.decode

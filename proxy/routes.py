@@ -14,6 +14,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from tokenline.proxy.admission import Admission
 from tokenline.proxy.flow import (
@@ -90,7 +91,7 @@ async def _admitted(
             answer = await whole(hops, kind, client, raw, rendered, headers)
             return web.Response(body=JSON.encode(answer), content_type="application/json")
         out = EventStream(request)
-        streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers, out.send)
+        streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers, out)
         return await out.serve(streaming.run())
     except UpstreamRejected as exc:
         # generate refused the constraint (a schema, regex or grammar its backend rejects)
@@ -110,10 +111,41 @@ class EventStream:
         self.request = request
         self.response: web.StreamResponse | None = None
         self.starting = asyncio.Lock()  # a request's prompts may send their first chunks at once
+        self.sent = False
+        """A write went out through the response (its head with it)."""
+        self.chunked = False
+        """The response's body is chunked (not so for an HTTP/1.0 client's)."""
+        self.transport: asyncio.Transport | None = None
+        self.protocol: RequestHandler | None = None
+        """The request's, looked up once (`send_now`)."""
 
     async def send(self, chunks: list[Any]) -> None:
         response = self.response or await self._start()
         await response.write(events(chunks))
+        self.sent = True
+
+    def open(self) -> bool:
+        """`send_now` may write: the head went out, the connection is open, and its buffer
+        has room (otherwise `send` waits for it)."""
+        transport = self.request.transport
+        return (
+            self.sent
+            and transport is not None
+            and not transport.is_closing()
+            and not self.request.protocol.writing_paused
+        )
+
+    def send_now(self, chunks: list[Any]) -> bool:
+        """One write straight to the transport, framed as the response's own writes are
+        (chunked, unless an HTTP/1.0 client's body ends with the connection): a pumped
+        stream's (`proxy/pump.py`) in an event-loop callback. False: it did not go out (the
+        connection is closing), or the buffer is full now."""
+        transport, protocol = self.transport, self.protocol
+        if transport is None or protocol is None or transport.is_closing():
+            return False
+        data = events(chunks)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        return not protocol.writing_paused
 
     async def serve(self, run: Awaitable[None]) -> web.StreamResponse:
         try:
@@ -136,5 +168,7 @@ class EventStream:
                     headers["X-Request-Id"] = rid
                 response = web.StreamResponse(headers=headers)
                 await response.prepare(self.request)
+                self.chunked = response.headers.get("Transfer-Encoding") == "chunked"
+                self.transport, self.protocol = self.request.transport, self.request.protocol
                 self.response = response
             return self.response

@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -35,6 +35,8 @@ from tokenline.proxy.flow import (
 from tokenline.proxy.hops import Hops, Prefilled
 from tokenline.proxy.migration import MAX_MIGRATIONS, continuation, why_not
 from tokenline.proxy.pool import Worker
+from tokenline.proxy.pump import Pump
+from tokenline.proxy.upstream import Pumping
 from tokenline.shared.errors import (
     Diverged,
     ServiceError,
@@ -83,8 +85,18 @@ async def whole(
     return msgspec.structs.replace(kind.whole.decode(data), id=rendered.public_id)
 
 
-Out = Callable[[list[Outgoing]], Awaitable[None]]
-"""Where a stream's chunks go: the client (one write per call)."""
+class Out(Protocol):
+    """Where a stream's chunks go: the client (one write per call)."""
+
+    async def send(self, chunks: list[Outgoing]) -> None: ...
+
+    def open(self) -> bool:
+        """`send_now` may write: the response started, and the client's buffer has room."""
+        ...
+
+    def send_now(self, chunks: list[Outgoing]) -> bool:
+        """`send` without waiting (only when `open()`); False: the buffer is full now."""
+        ...
 
 
 @dataclass
@@ -113,7 +125,7 @@ class Streaming:
             # the first failure stands for the request (a bug is logged and becomes a 500)
             raise as_service_error(eg.exceptions[0]) from None
         if (final := self.flow.final_chunk()) is not None:
-            await self.out([final])
+            await self.out.send([final])
 
     async def _prompt(self, p: int, gen: GenerateRequest) -> None:
         async def decode(g: GenerateRequest, pre: Prefilled, exclude: Sequence[Worker]) -> None:
@@ -262,7 +274,7 @@ class Streaming:
     async def _read(
         self,
         p: int,
-        source: AsyncGenerator[list[bytes], None],
+        source: AsyncGenerator[list[bytes], Pumping | None],
         gen: GenerateRequest,
         first: FirstToken | None,
     ) -> None:
@@ -282,8 +294,38 @@ class Streaming:
                 first = await self._take(p, payloads, first)
                 if self.flow.stopped_early(p) and self.flow.prompt_done(p):
                     break  # the engine is still generating: `_decode` aborts it
-                payloads = await anext(source, None)
+                if first is None and self._pumpable(p):
+                    payloads = await self._pumped(p, source)
+                else:
+                    payloads = await anext(source, None)
             # a finished stream is read to its end: its connection is then reused
+
+    def _pumpable(self, p: int) -> bool:
+        """Prompt `p` may go on in callbacks (`proxy/pump.py`): one choice, not over, and a
+        client that can take a write at once."""
+        return self.flow.n == 1 and not self.flow.prompt_done(p) and self.out.open()
+
+    async def _pumped(
+        self, p: int, source: AsyncGenerator[list[bytes], Pumping | None]
+    ) -> list[bytes] | None:
+        """Prompt `p` pumped until the pump gives it back: then its next read (what the pump
+        gave back, maybe nothing), the call in flight answered and written first."""
+        pump = Pump(self, p)
+        try:
+            try:
+                payloads = await source.asend(pump)
+            except StopAsyncIteration:
+                payloads = None
+            except ServiceError:
+                # the engine failed under a call in flight: it is answered first, as it was
+                # made (the client sees what it would have), then the failure stands
+                with contextlib.suppress(ServiceError):
+                    await pump.settled()
+                raise
+            await pump.settled()
+            return payloads
+        finally:
+            pump.close()
 
     async def _take(
         self, p: int, payloads: list[bytes], first: FirstToken | None
@@ -301,7 +343,7 @@ class Streaming:
             if (answer := await self._relay(p, chunk)) is not None:
                 ready.append(answer)
         if ready:
-            await self.out(ready)
+            await self.out.send(ready)
         return first
 
     async def _show_first(
@@ -309,7 +351,7 @@ class Streaming:
         p: int,
         gen: GenerateRequest,
         first: FirstToken,
-        source: AsyncGenerator[list[bytes], None],
+        source: AsyncGenerator[list[bytes], Pumping | None],
     ) -> list[bytes] | None:
         """`first` derendered and written to the client while the decode stream starts; the
         stream's first read (None: the shown token ended the choice, or the stream was empty)."""
@@ -318,7 +360,7 @@ class Streaming:
             answer = await self._relay(p, first.chunk(gen), urgent=True)
             self.first_shown[p] = first.token  # with the state derender just gave
             if answer is not None:
-                await self.out([answer])
+                await self.out.send([answer])
         except BaseException:
             await _settled(reading)
             raise
@@ -333,7 +375,10 @@ class Streaming:
         call = self.flow.call(p, chunk, urgent)
         if call is None:
             return None
-        answer = await self.hops.derender.stream(call)
+        return self.accepted(p, chunk, await self.hops.derender.stream(call))
+
+    def accepted(self, p: int, chunk: GenerateStreamChunk, answer: Any) -> Outgoing | None:
+        """Derender's answer for a chunk of prompt `p`: what the client gets, if anything."""
         emission = self.flow.accept(p, chunk, answer)
         if emission is None:
             return None
@@ -346,7 +391,7 @@ class Streaming:
         return emission.chunk
 
 
-async def _next(source: AsyncGenerator[list[bytes], None]) -> list[bytes] | None:
+async def _next(source: AsyncGenerator[list[bytes], Pumping | None]) -> list[bytes] | None:
     return await anext(source, None)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -41,13 +41,24 @@ from tokenline.shared.limits import DERENDER_BATCH_ITEMS
 from tokenline.shared.wire import ERROR, JSON, RAW_STREAM_ANSWER, ErrorEnvelope
 
 T = TypeVar("T")
+Answered = Callable[[StreamAnswer | ServiceError], None]
+"""Hears a submitted call's outcome (in an event-loop callback; it must not raise)."""
 JSON_HEADERS = {"Content-Type": "application/json"}
 BATCH_ANSWER = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+class Submitted(Protocol):
+    def cancel(self) -> Any: ...
 
 
 class DerenderTransport(Protocol):
     async def stream(self, call: StreamCall) -> StreamAnswer:
         """One streaming derender call; raises `ServiceError` (never a foreign exception)."""
+        ...
+
+    def submit(self, call: StreamCall, answered: Answered) -> Submitted:
+        """`stream(call)` with its outcome handed to `answered` (never raised), for a caller
+        that does not wait in a task (`proxy/pump.py`); cancel the returned call to drop it."""
         ...
 
     def streaming(self) -> contextlib.AbstractContextManager[None]:
@@ -79,6 +90,8 @@ class HttpDerender:
     metrics: ProxyMetrics
     limits: Limits
     """The proxy's `Timeouts.pure`: connect, then the longest silence while an answer comes."""
+    submitted: set[asyncio.Task[None]] = field(default_factory=set, kw_only=True)
+    """`submit`'s calls in flight (a task each, but for the batched transport's)."""
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         call = post_any(self.client, self.pool, self.policy, path, body, headers, self.limits)
@@ -93,16 +106,46 @@ class HttpDerender:
         data = await self.post(call.kind.derender_path, body, JSON_HEADERS)
         return readable(RAW_STREAM_ANSWER, data)
 
+    def submit(self, call: StreamCall, answered: Answered) -> Submitted:
+        async def run() -> None:
+            try:
+                outcome = await self.stream(call)
+            except Exception as exc:  # a bug too: the caller must hear
+                outcome = as_service_error(exc)
+            answered(outcome)
+
+        task = asyncio.create_task(run())
+        self.submitted.add(task)
+        task.add_done_callback(self.submitted.discard)
+        return task
+
     def streaming(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     async def close(self) -> None:
-        return None
+        await self.cancel_submitted()
+
+    async def cancel_submitted(self) -> None:
+        for task in list(self.submitted):
+            task.cancel()
+        await asyncio.gather(*self.submitted, return_exceptions=True)
 
 
 class _Pending(msgspec.Struct, eq=False):
+    """A call waiting in a batch: its caller awaits `answer`, or hears through `answered`."""
+
     call: StreamCall
-    answer: asyncio.Future[StreamAnswer]
+    answer: asyncio.Future[StreamAnswer] | None = None
+    answered: Answered | None = None
+    over: bool = False
+    """`answered` heard its outcome, or the call was cancelled."""
+
+    def live(self) -> bool:
+        """Its caller still waits."""
+        return not self.over if self.answer is None else not self.answer.done()
+
+    def cancel(self) -> None:
+        self.over = True
 
 
 @dataclass
@@ -143,10 +186,20 @@ class BatchedDerender(HttpDerender):
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         future: asyncio.Future[StreamAnswer] = self.loop.create_future()
-        self.waiting.setdefault(call.kind.name, []).append(_Pending(call, future))
-        self.pending += 1
-        self._schedule(self.loop, call.urgent)
+        self._wait(_Pending(call, future))
         return await future
+
+    def submit(self, call: StreamCall, answered: Answered) -> Submitted:
+        pending = _Pending(call, answered=answered)
+        self._wait(pending)
+        return pending
+
+    def _wait(self, pending: _Pending) -> None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        self.waiting.setdefault(pending.call.kind.name, []).append(pending)
+        self.pending += 1
+        self._schedule(self.loop, pending.call.urgent)
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
@@ -175,7 +228,7 @@ class BatchedDerender(HttpDerender):
         waiting, self.waiting, self.pending = self.waiting, {}, 0
         replicas = max(1, len(self.pool.healthy()))
         for items in waiting.values():
-            live = [p for p in items if not p.answer.done()]  # a caller may have gone
+            live = [p for p in items if p.live()]  # a caller may have gone
             for batch in _split(live, replicas):
                 self.metrics.batch_items.observe(len(batch))
                 task = asyncio.create_task(self._send(batch))
@@ -194,7 +247,7 @@ class BatchedDerender(HttpDerender):
             self.answering.difference_update(batch)
             gone = UpstreamUnavailable("the proxy's derender transport closed")
             for p in batch:
-                _settle(p.answer, gone)
+                _settle(p, gone)
 
     async def _answer(self, kind: Kind, batch: list[_Pending], body: bytes) -> None:
         """One request body's calls answered (or failed together, if the whole body fails);
@@ -214,7 +267,7 @@ class BatchedDerender(HttpDerender):
         finally:
             self.answering.difference_update(batch)
         for p, outcome in zip(batch, outcomes, strict=True):
-            _settle(p.answer, outcome)
+            _settle(p, outcome)
 
     async def _exchange(self, kind: Kind, body: bytes) -> bytes:
         """One batch answered by a replica (another one if it fails: derender is pure)."""
@@ -232,6 +285,7 @@ class BatchedDerender(HttpDerender):
             task.cancel()
         await asyncio.gather(*self.flushing, return_exceptions=True)
         await self.sockets.close()
+        await self.cancel_submitted()
 
 
 def _item(raw: bytes) -> StreamAnswer | ServiceError:
@@ -247,10 +301,16 @@ def _item(raw: bytes) -> StreamAnswer | ServiceError:
     return UpstreamError(f"derender failed a batch item: {error.message}")
 
 
-def _settle(future: asyncio.Future[StreamAnswer], outcome: StreamAnswer | ServiceError) -> None:
-    if future.done():
+def _settle(pending: _Pending, outcome: StreamAnswer | ServiceError) -> None:
+    """`outcome` to the call's caller, once."""
+    future = pending.answer
+    if future is None:
+        if not pending.over and pending.answered is not None:
+            pending.over = True
+            pending.answered(outcome)
+    elif future.done():
         return
-    if isinstance(outcome, ServiceError):
+    elif isinstance(outcome, ServiceError):
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
@@ -266,7 +326,7 @@ def _bodies(batch: list[_Pending], items: list[bytes]) -> list[tuple[list[_Pendi
     size = 0  # the body's so far, its framing and commas included
     for p, item in zip(batch, items, strict=True):
         if BODY_FRAMING + len(item) > MAX_BATCH_BODY:
-            _settle(p.answer, _too_large(len(item)))
+            _settle(p, _too_large(len(item)))
             continue
         if part and size + 1 + len(item) > MAX_BATCH_BODY:
             out.append((part, _body(chosen)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Iterator, Mapping
+from typing import Protocol
 
 import msgspec
 
@@ -112,6 +113,20 @@ async def post_any(
     return await on_replicas(pool, policy, once)
 
 
+class Pumping(Protocol):
+    """Takes a stream's payloads in the event loop's callbacks (`proxy/pump.py`): what its
+    reader sends into `stream_payloads` instead of asking for the next read."""
+
+    def bind(self, resp: Response) -> None:
+        """The answer it takes from (to `hold`, `release` and `untap` it)."""
+
+    def feed(self, payloads: list[bytes]) -> None:
+        """One read's payloads (never raises)."""
+
+    def rest(self) -> list[bytes]:
+        """Payloads it was fed and gave back untaken (the reader takes them as a read)."""
+
+
 async def stream_payloads(
     client: Client,
     pool: Pool,
@@ -119,10 +134,14 @@ async def stream_payloads(
     body: bytes,
     headers: Mapping[str, str],
     limits: Limits,
-) -> AsyncGenerator[list[bytes], None]:
+) -> AsyncGenerator[list[bytes], Pumping | None]:
     """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
     read together, the outcome reported to the pool (a stream left early reports nothing).
     Leaving early closes the connection, which aborts the request in vLLM.
+
+    A reader that sends a `Pumping` in (`asend`) has the payloads fed to it as they arrive,
+    until it stops (the generator then yields what it gave back) or the stream ends or fails
+    (read on as before, the same errors raised here).
 
     vLLM checks some inputs (a structured-output grammar) only once its 200 has gone out: an
     error event before any output is then that error's own status, as if it had been the
@@ -143,10 +162,36 @@ async def stream_payloads(
                         raise rejected_or_failed(pool.role, worker, code, payloads[0])
                     first = first and not payloads
                     if payloads:
-                        yield payloads
+                        pump = yield payloads
+                        while pump is not None and await _pumped(resp, events, pump):
+                            pump = yield pump.rest()
                     if events.done:
                         await _rest_of_body(resp)
                         return
+
+
+async def _pumped(resp: Response, events: SseEvents, pump: Pumping) -> bool:
+    """`pump` fed until it stops (True), or the stream ends or fails (False)."""
+    failure: ServiceError | None = None
+
+    def tap(data: bytes) -> None:
+        nonlocal failure
+        try:
+            payloads = events.feed(data)
+        except ServiceError as exc:
+            failure = exc
+            resp.untap()
+            return
+        if payloads:
+            pump.feed(payloads)
+        if events.done:
+            resp.untap()
+
+    pump.bind(resp)
+    await resp.tapped(tap)
+    if failure is not None:
+        raise failure
+    return not events.done and not resp.ended()
 
 
 async def _rest_of_body(resp: Response) -> None:

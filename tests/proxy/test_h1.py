@@ -502,3 +502,93 @@ def test_an_encoded_or_protocol_switching_answer_is_refused() -> None:
         ResponseParser().feed(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n\r\n")
     with pytest.raises(Broken, match="switched protocols"):
         ResponseParser().feed(b"HTTP/1.1 101 Switching Protocols\r\n\r\n")
+
+
+# --------------------------------------------------------------------------- tapping
+
+
+async def test_a_tap_takes_the_body_as_it_comes_and_held_bytes_come_as_one_read(
+    client: Client,
+) -> None:
+    """`Response.tapped` hands each read to the tap in the connection's callback; bytes that
+    come while the tap holds wait, and come at once, as one read, when it releases; the end
+    of the body ends tapping, and what is left is read as before."""
+    up = Upstream()
+    taken: list[bytes] = []
+    async with served(up) as url, client.request("GET", url + "/stream?n=6&gap=0.05") as resp:
+
+        def tap(data: bytes) -> None:
+            taken.append(data)
+            if len(taken) == 1:  # hold the stream's next bytes for 0.2 s
+                resp.hold()
+                asyncio.get_running_loop().call_later(0.2, resp.release)
+
+        await resp.tapped(tap)
+        assert resp.ended()
+        rest = [data async for data in resp.chunks()]
+    body = b"".join(b"data: %d\n\n" % i for i in range(6))
+    assert b"".join(taken + rest) == body
+    assert taken[0] == b"data: 0\n\n"
+    assert taken[1].startswith(b"data: 1\n\ndata: 2\n\n")  # held: came together
+
+
+async def test_untap_gives_the_stream_back_and_a_stale_response_cannot_touch_the_next(
+    client: Client,
+) -> None:
+    """`untap` ends `tapped` (bytes then wait for `next_piece`); once the answer is over and
+    its connection went back to the pool, the old answer's hold, release and untap do
+    nothing to the next answer on that connection."""
+    up = Upstream()
+    async with served(up) as url:
+        async with client.request("GET", url + "/stream?n=3&gap=0.05") as old:
+            first: list[bytes] = []
+
+            def tap(data: bytes) -> None:
+                first.append(data)
+                old.untap()
+
+            await old.tapped(tap)
+            assert first == [b"data: 0\n\n"] and not old.ended()
+            rest = [data async for data in old.chunks()]
+            assert b"".join(rest) == b"data: 1\n\ndata: 2\n\n"
+        async with client.request("GET", url + "/stream?n=4&gap=0.05") as new:
+            got: list[bytes] = []
+
+            def stale(data: bytes) -> None:
+                got.append(data)
+                old.hold()
+                old.untap()
+                old.release()
+
+            await new.tapped(stale)
+            assert b"".join(got) == b"".join(b"data: %d\n\n" % i for i in range(4))
+        assert len(set(up.peers)) == 1  # the same connection, reused
+
+
+async def test_a_tap_that_raises_fails_the_reader_not_the_event_loop(client: Client) -> None:
+    up = Upstream()
+    async with served(up) as url, client.request("GET", url + "/stream?n=3&gap=0.05") as resp:
+
+        def tap(data: bytes) -> None:
+            raise ValueError("a bug in the tap")
+
+        await resp.tapped(tap)
+        with pytest.raises(ValueError, match="a bug in the tap"):
+            await resp.next_piece()
+
+
+async def test_silence_while_tapping_times_out(client: Client) -> None:
+    """The read timeout holds while the tap waits for bytes (not while it holds them)."""
+    up = Upstream()
+    limits = Limits(connect=1.0, read=0.3)
+    async with (
+        served(up) as url,
+        client.request("GET", url + "/stream?n=2&gap=5", limits=limits) as resp,
+    ):
+        taken: list[bytes] = []
+        started = asyncio.get_running_loop().time()
+        await resp.tapped(taken.append)
+        assert asyncio.get_running_loop().time() - started < 3
+        with pytest.raises(TimeoutError):
+            await resp.next_piece()
+    assert taken == [b"data: 0\n\n"]

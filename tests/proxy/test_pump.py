@@ -1,0 +1,206 @@
+"""A stream's steady state on callbacks (`proxy/pump.py`): what the client gets is what the
+stream's task alone would give it, over every derender transport, whatever gives the stream
+back to its task (a full client buffer, a stop string, the end), for HTTP/1.1 and HTTP/1.0
+clients. In-process: the tiers' real render and derender, a generate double."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from tests.fakes.decode import EndlessDecode
+from tests.proxy.conftest import Tiers, url
+from tokenline.proxy.app import make_app as make_proxy
+from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.pump import Pump
+from tokenline.proxy.routes import EventStream
+from tokenline.proxy.stream import Streaming
+
+TRANSPORTS = ["http", "batched"]
+
+
+@contextlib.asynccontextmanager
+async def proxy(
+    aiohttp_client: Any, tiers: Tiers, decode: EndlessDecode, transport: str
+) -> AsyncIterator[Any]:
+    engine = TestServer(decode.app)
+    await engine.start_server()
+    try:
+        config = ProxyConfig(
+            render_urls=(tiers.render,),
+            derender_urls=(tiers.derender,),
+            decode_urls=(url(engine),),
+            derender_transport=transport,  # type: ignore[arg-type]
+        )
+        yield await aiohttp_client(make_proxy(config))
+    finally:
+        await engine.close()
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **extra,
+    }
+
+
+def comparable(raw: bytes) -> list[Any]:
+    """A stream's events without what differs between two runs of one request."""
+    out: list[Any] = []
+    for event in raw.split(b"\n\n"):
+        if not event:
+            continue
+        assert event.startswith(b"data: "), event
+        payload = event[6:]
+        if payload == b"[DONE]":
+            out.append("[DONE]")
+            continue
+        chunk = json.loads(payload)
+        chunk.pop("id", None)
+        chunk.pop("created", None)
+        out.append(chunk)
+    return out
+
+
+class Counted:
+    """How often the pump took a read, and gave the stream back."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.feeds = 0
+        feed = Pump.feed
+
+        def counted(pump: Pump, payloads: list[bytes]) -> None:
+            self.feeds += 1
+            feed(pump, payloads)
+
+        monkeypatch.setattr(Pump, "feed", counted)
+
+
+async def stream(client: Any, request: dict[str, Any]) -> bytes:
+    resp = await client.post("/v1/chat/completions", json=request)
+    assert resp.status == 200
+    return await asyncio.wait_for(resp.read(), 30)
+
+
+async def unpumped(
+    aiohttp_client: Any, tiers: Tiers, decode: EndlessDecode, request: dict[str, Any]
+) -> bytes:
+    """The stream as its task alone gives it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Streaming, "_pumpable", lambda self, p: False)
+        async with proxy(aiohttp_client, tiers, decode, "http") as client:
+            return await stream(client, request)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_pumped_stream_is_the_tasks_own(
+    aiohttp_client: Any, tiers: Tiers, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = 120
+    expected = await unpumped(
+        aiohttp_client, tiers, EndlessDecode(interval=0.002, tokens=tokens), body()
+    )
+    counted = Counted(monkeypatch)
+    async with proxy(
+        aiohttp_client, tiers, EndlessDecode(interval=0.002, tokens=tokens), transport
+    ) as client:
+        got = await stream(client, body())
+    assert comparable(got) == comparable(expected)
+    assert counted.feeds > tokens // 2  # the pump carried the stream, not its task
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_full_client_buffer_gives_the_stream_back_and_loses_nothing(
+    aiohttp_client: Any, tiers: Tiers, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every few writes the client's buffer is (said to be) full: the pump gives the stream
+    back to its task, which writes through the response (waiting for room) and pumps again."""
+    tokens = 150
+    expected = await unpumped(
+        aiohttp_client, tiers, EndlessDecode(interval=0.001, tokens=tokens), body()
+    )
+    writes = {"now": 0, "full": 0}
+    send_now = EventStream.send_now
+
+    def sometimes_full(self: EventStream, chunks: list[Any]) -> bool:
+        room = send_now(self, chunks)
+        writes["now"] += 1
+        if writes["now"] % 7 == 0:
+            writes["full"] += 1
+            return False
+        return room
+
+    monkeypatch.setattr(EventStream, "send_now", sometimes_full)
+    async with proxy(
+        aiohttp_client, tiers, EndlessDecode(interval=0.001, tokens=tokens), transport
+    ) as client:
+        got = await stream(client, body())
+    assert comparable(got) == comparable(expected)
+    assert writes["full"] >= 5 and writes["now"] > tokens // 2
+
+
+async def test_a_stop_string_while_pumped_ends_the_choice_and_aborts_the_engine(
+    aiohttp_client: Any, tiers: Tiers
+) -> None:
+    whole = comparable(
+        await unpumped(aiohttp_client, tiers, EndlessDecode(interval=0.001, tokens=60), body())
+    )
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in whole[:-1])
+    stop = text[len(text) // 2 :][:3]  # well after the first chunk: the pump has the stream
+    assert stop and text.index(stop) > 10
+    decode = EndlessDecode(interval=0.002)  # never ends by itself
+    async with proxy(aiohttp_client, tiers, decode, "batched") as client:
+        got = comparable(await stream(client, body(stop=[stop])))
+    assert got[-1] == "[DONE]"
+    assert got[-2]["choices"][0]["finish_reason"] == "stop"
+    shown = "".join(c["choices"][0]["delta"].get("content") or "" for c in got[:-1])
+    assert shown == text[: text.index(stop)]
+    for _ in range(100):
+        if decode.aborted_ids:
+            break
+        await asyncio.sleep(0.01)
+    assert decode.aborted_ids == decode.started_ids
+
+
+async def test_an_http10_client_gets_the_body_unchunked(tiers: Tiers) -> None:
+    """A client that cannot take chunked coding (HTTP/1.0) gets the events as the body
+    itself, ended by the connection's close: the pump writes as the response would."""
+    decode = EndlessDecode(interval=0.001, tokens=80)
+    engine = TestServer(decode.app)
+    await engine.start_server()
+    config = ProxyConfig(
+        render_urls=(tiers.render,),
+        derender_urls=(tiers.derender,),
+        decode_urls=(url(engine),),
+        derender_transport="batched",
+        open=True,
+    )
+    server = TestServer(make_proxy(config))
+    await server.start_server()
+    try:
+        payload = json.dumps(body()).encode()
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)
+        )
+        raw = await asyncio.wait_for(reader.read(), 30)  # to the close
+        writer.close()
+    finally:
+        await server.close()
+        await engine.close()
+    head, _, events = raw.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head
+    got = comparable(events)
+    assert got[-1] == "[DONE]" and len(got) > 40
+    assert got[-2]["choices"][0]["finish_reason"] == "length"
