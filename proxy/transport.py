@@ -90,8 +90,9 @@ class HttpDerender:
     metrics: ProxyMetrics
     limits: Limits
     """The proxy's `Timeouts.pure`: connect, then the longest silence while an answer comes."""
-    submitted: set[asyncio.Task[None]] = field(default_factory=set, kw_only=True)
-    """`submit`'s calls in flight (a task each, but for the batched transport's)."""
+    submitted: dict[asyncio.Task[None], Answered] = field(default_factory=dict, kw_only=True)
+    """`submit`'s calls in flight (a task each, but for the batched transport's), and who
+    hears each."""
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         call = post_any(self.client, self.pool, self.policy, path, body, headers, self.limits)
@@ -115,9 +116,12 @@ class HttpDerender:
             answered(outcome)
 
         task = asyncio.create_task(run())
-        self.submitted.add(task)
-        task.add_done_callback(self.submitted.discard)
+        self.submitted[task] = answered
+        task.add_done_callback(self._forget)
         return task
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.submitted.pop(task, None)
 
     def streaming(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -126,9 +130,12 @@ class HttpDerender:
         await self.cancel_submitted()
 
     async def cancel_submitted(self) -> None:
-        for task in list(self.submitted):
-            task.cancel()
-        await asyncio.gather(*self.submitted, return_exceptions=True)
+        """`submit`'s calls in flight cut, each caller told (as the batched transport tells
+        the calls it cuts)."""
+        cut = [(task, answered) for task, answered in self.submitted.items() if task.cancel()]
+        await asyncio.gather(*(task for task, _ in cut), return_exceptions=True)
+        for _, answered in cut:
+            answered(closed())
 
 
 class _Pending(msgspec.Struct, eq=False):
@@ -242,10 +249,13 @@ class BatchedDerender(HttpDerender):
         for part, _ in parts:
             self.answering.update(part)
         try:
-            await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
+            if len(parts) == 1:  # the usual batch: no task more for it
+                await self._answer(kind, *parts[0])
+            else:
+                await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
         finally:  # cancelled (the transport closing): what is still unanswered is given up
             self.answering.difference_update(batch)
-            gone = UpstreamUnavailable("the proxy's derender transport closed")
+            gone = closed()
             for p in batch:
                 _settle(p, gone)
 
@@ -281,11 +291,21 @@ class BatchedDerender(HttpDerender):
     async def close(self) -> None:
         if self.flush is not None:
             self.flush.cancel()
+        waiting, self.waiting, self.pending = self.waiting, {}, 0
+        gone = closed()
+        for items in waiting.values():  # never sent: their callers hear now
+            for p in items:
+                _settle(p, gone)
         for task in list(self.flushing):
             task.cancel()
         await asyncio.gather(*self.flushing, return_exceptions=True)
         await self.sockets.close()
         await self.cancel_submitted()
+
+
+def closed() -> UpstreamUnavailable:
+    """What a call the transport's closing cut hears."""
+    return UpstreamUnavailable("the proxy's derender transport closed")
 
 
 def _item(raw: bytes) -> StreamAnswer | ServiceError:

@@ -163,8 +163,14 @@ async def stream_payloads(
                     first = first and not payloads
                     if payloads:
                         pump = yield payloads
-                        while pump is not None and await _pumped(resp, events, pump):
-                            pump = yield pump.rest()
+                        while pump is not None and not events.done:
+                            more = await _pumped(resp, events, pump)
+                            rest = pump.rest()
+                            if not more:  # ended or failed: what it gave back, then on
+                                if rest:
+                                    yield rest
+                                break
+                            pump = yield rest
                     if events.done:
                         await _rest_of_body(resp)
                         return

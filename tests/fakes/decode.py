@@ -17,11 +17,15 @@ class EndlessDecode:
         tokens: int | None = None,
         hang_after: int | None = None,
         done_after: float = 0.0,
+        error_after: int | None = None,
     ) -> None:
         """`tokens`: finish (length) after that many; `hang_after`: go silent after that many
         chunks, the connection kept open (a hung replica that still passes /health);
-        `done_after`: seconds between the finish chunk and `[DONE]`."""
+        `done_after`: seconds between the finish chunk and `[DONE]`; `error_after`: after that
+        many chunks an in-band error event and `[DONE]`, in one write (as vLLM ends a stream
+        that failed)."""
         self.done_after = done_after
+        self.error_after = error_after
         self.interval = interval
         self.tokens = tokens
         self.hang_after = hang_after
@@ -50,6 +54,13 @@ class EndlessDecode:
             while True:
                 if self.hang_after is not None and i >= self.hang_after:
                     await asyncio.sleep(3600)
+                if self.error_after is not None and i >= self.error_after:
+                    error = {"error": {"message": "engine fell over", "type": "x", "code": 500}}
+                    await resp.write(
+                        b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+                    )
+                    await asyncio.sleep(0.1)  # the body's end in a later read
+                    return resp
                 last = self.tokens is not None and i + 1 >= self.tokens
                 choice = {"index": 0, "token_ids": [10 + i % 50]}
                 if last:

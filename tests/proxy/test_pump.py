@@ -149,8 +149,29 @@ async def test_a_full_client_buffer_gives_the_stream_back_and_loses_nothing(
     assert writes["full"] >= 5 and writes["now"] > tokens // 2
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_engine_error_while_pumped_reaches_the_client(
+    aiohttp_client: Any, tiers: Tiers, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM ends a stream that failed with an error event and `[DONE]` in one write: the
+    pumped stream gives the error back to its task, which ends the client's stream with it
+    (never a bare `[DONE]` that looks like a whole answer)."""
+    expected = await unpumped(
+        aiohttp_client, tiers, EndlessDecode(interval=0.002, error_after=40), body()
+    )
+    counted = Counted(monkeypatch)
+    async with proxy(
+        aiohttp_client, tiers, EndlessDecode(interval=0.002, error_after=40), transport
+    ) as client:
+        got = await stream(client, body())
+    assert comparable(got) == comparable(expected)
+    assert b"engine fell over" in got.split(b"\n\n")[-3]  # the error event, then [DONE]
+    assert counted.feeds > 20
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_stop_string_while_pumped_ends_the_choice_and_aborts_the_engine(
-    aiohttp_client: Any, tiers: Tiers
+    aiohttp_client: Any, tiers: Tiers, transport: str
 ) -> None:
     whole = comparable(
         await unpumped(aiohttp_client, tiers, EndlessDecode(interval=0.001, tokens=60), body())
@@ -159,7 +180,7 @@ async def test_a_stop_string_while_pumped_ends_the_choice_and_aborts_the_engine(
     stop = text[len(text) // 2 :][:3]  # well after the first chunk: the pump has the stream
     assert stop and text.index(stop) > 10
     decode = EndlessDecode(interval=0.002)  # never ends by itself
-    async with proxy(aiohttp_client, tiers, decode, "batched") as client:
+    async with proxy(aiohttp_client, tiers, decode, transport) as client:
         got = comparable(await stream(client, body(stop=[stop])))
     assert got[-1] == "[DONE]"
     assert got[-2]["choices"][0]["finish_reason"] == "stop"

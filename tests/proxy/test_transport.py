@@ -573,3 +573,38 @@ def test_on_uvloop_a_batch_goes_as_soon_as_every_stream_is_in() -> None:
 
     uvloop.run(main())
     assert len(sent) == 1 and sent[0][0] == 2 and sent[0][1] < 1.0, sent
+
+
+@pytest.mark.parametrize("name", ["http", "batched-sent", "batched-waiting"])
+async def test_closing_the_transport_tells_submitted_calls(name: str) -> None:
+    """`submit`'s callers hear every call the closing cut (a pumped stream would otherwise
+    hold its engine's bytes forever): one sent and hung, or one still waiting for its batch."""
+    hung = FakeDerender(hang=True)
+    pool, servers = await serve([hung])
+    client = Client()
+    policy = RetryPolicy(sleep=False)
+    transport: HttpDerender = (
+        HttpDerender(client, pool, policy, METRICS, Limits(1, 60))
+        if name == "http"
+        else BatchedDerender(client, pool, policy, METRICS, Limits(1, 60), wait=60)
+    )
+    heard: list[Any] = []
+    try:
+        if name == "batched-waiting":
+            with transport.streaming(), transport.streaming():  # a second stream to wait for
+                transport.submit(call(1), heard.append)
+                await asyncio.sleep(0.05)
+                assert not hung.received.is_set()
+                await asyncio.wait_for(transport.close(), 5)
+        else:
+            transport.submit(call(1), heard.append)
+            if name == "http":
+                await asyncio.sleep(0.3)  # the POST is out and hangs
+            else:
+                await asyncio.wait_for(hung.received.wait(), 5)
+            await asyncio.wait_for(transport.close(), 5)
+        assert len(heard) == 1 and isinstance(heard[0], UpstreamUnavailable)
+    finally:
+        await client.close()
+        for s in servers:
+            await s.close()
