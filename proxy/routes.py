@@ -143,8 +143,12 @@ class EventStream:
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():
             return False
-        data = events(chunks)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if len(chunks) == 1 and self.chunked:  # a pump's one event: framed in one step
+            payload = JSON.encode(chunks[0])
+            transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
+        else:
+            data = events(chunks)
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return not protocol.writing_paused
 
     async def serve(self, run: Awaitable[None]) -> web.StreamResponse:
