@@ -16,7 +16,7 @@ import zmq.asyncio
 from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.retry import on_replicas
-from tokenline.proxy.transport import HttpDerender, readable
+from tokenline.proxy.transport import HttpDerender, derendered
 from tokenline.proxy.upstream import rejected_or_failed, translated
 from tokenline.shared.errors import (
     ServiceError,
@@ -72,7 +72,7 @@ class ZmqDerender(HttpDerender):
                 raise
 
         data = await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
-        return readable(call.kind.stream_answer_msgpack, data)
+        return derendered(call.kind.stream_answer_msgpack, data)
 
     async def _connection(self, worker: Worker) -> Connection:
         if (conn := self.connections.get(worker.url)) is not None:
@@ -93,7 +93,7 @@ class ZmqDerender(HttpDerender):
             raise UpstreamUnavailable(
                 f"derender {worker.url} has no ZMQ channel (start it with --zmq-port)"
             )
-        advertised = readable(ADVERTISED, answer).endpoint
+        advertised = derendered(ADVERTISED, answer).endpoint
         sock = self.context.socket(zmq.DEALER)
         sock.connect(f"tcp://{urlsplit(worker.url).hostname}:{urlsplit(advertised).port}")
         conn = Connection(sock)

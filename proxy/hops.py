@@ -22,7 +22,14 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pools, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.transport import DerenderTransport
-from tokenline.proxy.upstream import GENERATE_PATH, Pumping, post, post_any, stream_payloads
+from tokenline.proxy.upstream import (
+    GENERATE_PATH,
+    Pumping,
+    post,
+    post_any,
+    readable,
+    stream_payloads,
+)
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -103,7 +110,7 @@ class Hops:
             headers.pure(),
             self.timeouts.pure,
         )
-        return kind.generate_requests(await self.metrics.timed("render", call))
+        return readable("render", kind.generate_requests, await self.metrics.timed("render", call))
 
     async def prefill(
         self,
@@ -134,7 +141,7 @@ class Hops:
                 headers.generate(gen),
                 self.timeouts.pure,
             )
-            answer = GENERATE_RESPONSE.decode(data)
+            answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
             if answer.kv_transfer_params is None:
                 raise UpstreamError(
                     f"prefill {worker.url} returned no kv_transfer_params "
@@ -165,13 +172,13 @@ class Hops:
         hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
         call = post(self.client, pool, worker, GENERATE_PATH, body, hdrs, timeout)
         try:
-            with reported(pool, worker):
+            with reported(pool, worker):  # an unreadable answer counts against the replica
                 data = await self.metrics.timed("decode", call)
+                return readable(pool.role, GENERATE_RESPONSE.decode, data)
         except ServiceError as exc:
             if not _own_fault(exc):
                 self.abort(worker, gen)  # it may still be running (e.g. a timeout)
             raise
-        return GENERATE_RESPONSE.decode(data)
 
     def generate_stream(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()

@@ -36,7 +36,7 @@ from tokenline.proxy.hops import Hops, Prefilled
 from tokenline.proxy.migration import MAX_MIGRATIONS, continuation, why_not
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.pump import Pump
-from tokenline.proxy.upstream import Pumping
+from tokenline.proxy.upstream import Pumping, readable
 from tokenline.shared.errors import (
     Diverged,
     ServiceError,
@@ -82,7 +82,8 @@ async def whole(
     responses = await asyncio.gather(*legs)
     body = whole_derender_body(kind, client, raw, gens, list(responses))
     data = await hops.derender.whole(kind, JSON.encode(body), headers.pure())
-    return msgspec.structs.replace(kind.whole.decode(data), id=rendered.public_id)
+    answer = readable("derender", kind.whole.decode, data)
+    return msgspec.structs.replace(answer, id=rendered.public_id)
 
 
 class Out(Protocol):

@@ -26,7 +26,7 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.proxy.sockets import BatchSockets
-from tokenline.proxy.upstream import post_any
+from tokenline.proxy.upstream import post_any, readable
 from tokenline.shared.errors import (
     PayloadTooLarge,
     ServiceError,
@@ -72,12 +72,9 @@ class DerenderTransport(Protocol):
     async def close(self) -> None: ...
 
 
-def readable(decoder: Any, data: bytes) -> Any:
-    """A derender answer, or an upstream error naming the hop (never a bare decode error)."""
-    try:
-        return decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise UpstreamError(f"derender answered an unreadable body: {exc}") from exc
+def derendered(decoder: Any, data: bytes) -> Any:
+    """A derender answer, or derender's failure (`upstream.readable`)."""
+    return readable("derender", decoder.decode, data)
 
 
 @dataclass
@@ -105,7 +102,7 @@ class HttpDerender:
         # the client's own bytes: no re-encoding of the original request per chunk
         body = JSON.encode(call.fields(msgspec.Raw(call.client_raw)))
         data = await self.post(call.kind.derender_path, body, JSON_HEADERS)
-        return readable(RAW_STREAM_ANSWER, data)
+        return derendered(RAW_STREAM_ANSWER, data)
 
     def submit(self, call: StreamCall, answered: Answered) -> Submitted:
         async def run() -> None:
@@ -265,7 +262,7 @@ class BatchedDerender(HttpDerender):
         then complete the next batch."""
         outcomes: list[StreamAnswer | ServiceError]
         try:
-            answers = readable(BATCH_ANSWER, await self._exchange(kind, body))
+            answers = derendered(BATCH_ANSWER, await self._exchange(kind, body))
             if len(answers) != len(batch):
                 raise UpstreamError(
                     f"derender answered {len(answers)} items to a batch of {len(batch)}"
@@ -312,8 +309,8 @@ def _item(raw: bytes) -> StreamAnswer | ServiceError:
     """One item of a batch answer: derender's answer, or that item's own error."""
     try:
         if not raw.startswith(b'{"error"'):
-            return readable(RAW_STREAM_ANSWER, raw)
-        error = readable(ERROR, raw).error
+            return derendered(RAW_STREAM_ANSWER, raw)
+        error = derendered(ERROR, raw).error
     except ServiceError as exc:
         return exc
     if 400 <= error.code < 500:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Iterator, Mapping
-from typing import Protocol
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -31,6 +31,7 @@ from tokenline.shared.errors import (
 )
 from tokenline.shared.wire import ERROR
 
+T = TypeVar("T")
 REPLICA_STATUSES = frozenset({408, 429, 502, 503, 504})
 """Answers that say the replica (not the request) is in trouble, even with an envelope."""
 GENERATE_PATH = "/inference/v1/generate"
@@ -51,6 +52,15 @@ def translated(role: str, worker: Worker) -> Iterator[None]:
         raise UpstreamError(f"{role} {worker.url} broke the connection: {exc}") from exc
     except HttpClientError as exc:
         raise UpstreamError(f"{role} {worker.url}: {exc}") from exc
+
+
+def readable(role: str, decode: Callable[[bytes], T], data: bytes) -> T:
+    """A hop's answer decoded, or the hop's failure naming it: never a bare decode error, which
+    would reach the client as a 400 of its own (the request was fine; the replica was not)."""
+    try:
+        return decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise UpstreamError(f"{role} answered an unreadable body: {exc}") from exc
 
 
 def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> ServiceError:

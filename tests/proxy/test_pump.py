@@ -86,20 +86,24 @@ class Counted:
         monkeypatch.setattr(Pump, "feed", counted)
 
 
-async def stream(client: Any, request: dict[str, Any]) -> bytes:
-    resp = await client.post("/v1/chat/completions", json=request)
-    assert resp.status == 200
+async def stream(client: Any, request: dict[str, Any], path: str = "/v1/chat/completions") -> bytes:
+    resp = await client.post(path, json=request)
+    assert resp.status == 200, await resp.text()
     return await asyncio.wait_for(resp.read(), 30)
 
 
 async def unpumped(
-    aiohttp_client: Any, tiers: Tiers, decode: EndlessDecode, request: dict[str, Any]
+    aiohttp_client: Any,
+    tiers: Tiers,
+    decode: EndlessDecode,
+    request: dict[str, Any],
+    path: str = "/v1/chat/completions",
 ) -> bytes:
     """The stream as its task alone gives it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Streaming, "_pumpable", lambda self, p: False)
         async with proxy(aiohttp_client, tiers, decode, "http") as client:
-            return await stream(client, request)
+            return await stream(client, request, path)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -117,6 +121,38 @@ async def test_a_pumped_stream_is_the_tasks_own(
         got = await stream(client, body())
     assert comparable(got) == comparable(expected)
     assert counted.feeds > tokens // 2  # the pump carried the stream, not its task
+
+
+COMPLETIONS = {
+    "model": "tiny",
+    "prompt": ["hi", "there you"],
+    "stream": True,
+    "echo": True,  # with logprobs it would need a prompt leg, which the double cannot answer
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_prompt_of_a_request_is_pumped_with_its_usage(
+    aiohttp_client: Any, tiers: Tiers, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Completions with two prompts, echo and usage on every chunk: each prompt's
+    stream is pumped on its own, and the client gets what the tasks alone give it."""
+    path = "/v1/completions"
+    expected = await unpumped(
+        aiohttp_client, tiers, EndlessDecode(interval=0.002, tokens=60), COMPLETIONS, path
+    )
+    counted = Counted(monkeypatch)
+    async with proxy(
+        aiohttp_client, tiers, EndlessDecode(interval=0.002, tokens=60), transport
+    ) as client:
+        got = await stream(client, COMPLETIONS, path)
+    ordered = sorted(comparable(got)[:-1], key=lambda c: [x["index"] for x in c["choices"]])
+    assert ordered == sorted(
+        comparable(expected)[:-1], key=lambda c: [x["index"] for x in c["choices"]]
+    )
+    assert comparable(got)[-1] == "[DONE]"
+    assert counted.feeds > 60  # both prompts' streams, mostly through their pumps
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
