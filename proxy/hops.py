@@ -109,8 +109,9 @@ class Hops:
             raw,
             headers.pure(),
             self.timeouts.pure,
+            kind.generate_requests,  # an answer render's replica garbled goes to another
         )
-        return readable("render", kind.generate_requests, await self.metrics.timed("render", call))
+        return await self.metrics.timed("render", call)
 
     async def prefill(
         self,

@@ -26,7 +26,7 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.proxy.sockets import BatchSockets
-from tokenline.proxy.upstream import post_any, readable
+from tokenline.proxy.upstream import as_is, post_any, readable
 from tokenline.shared.errors import (
     PayloadTooLarge,
     ServiceError,
@@ -92,7 +92,9 @@ class HttpDerender:
     hears each."""
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        call = post_any(self.client, self.pool, self.policy, path, body, headers, self.limits)
+        call = post_any(
+            self.client, self.pool, self.policy, path, body, headers, self.limits, as_is
+        )
         return await self.metrics.timed("derender", call)
 
     async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:

@@ -113,14 +113,22 @@ async def post_any(
     body: bytes,
     headers: Mapping[str, str],
     limits: Limits,
-) -> bytes:
+    read: Callable[[bytes], T],
+) -> T:
     """POST `body` to a healthy replica of a pure hop's `pool`; another one on a replica's
-    failure (`proxy.retry.on_replicas`)."""
+    failure (`proxy.retry.on_replicas`). `read` decodes the answer on the replica's account: an
+    answer it cannot read is that replica's fault, and goes to another (`as_is` reads later)."""
 
-    async def once(worker: Worker) -> bytes:
-        return await post(client, pool, worker, path, body, headers, limits)
+    async def once(worker: Worker) -> T:
+        data = await post(client, pool, worker, path, body, headers, limits)
+        return readable(pool.role, read, data)
 
     return await on_replicas(pool, policy, once)
+
+
+def as_is(data: bytes) -> bytes:
+    """An answer passed on as it came (read later, or by the client)."""
+    return data
 
 
 class Pumping(Protocol):

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from tokenline.proxy.pool import Pool, Pools
 from tokenline.proxy.routes import HOPS, hop_headers
-from tokenline.proxy.upstream import post_any
+from tokenline.proxy.upstream import as_is, post_any
 from tokenline.shared.http import Handler, read_json_body
 
 ROUTES: dict[str, Callable[[Pools], Pool]] = {
@@ -30,7 +30,7 @@ def _forward(path: str, pool_of: Callable[[Pools], Pool]) -> Handler:
         hops = request.app[HOPS]
         headers = hop_headers(request).pure()
         pool, limits = pool_of(hops.pools), hops.timeouts.pure
-        answer = await post_any(hops.client, pool, hops.policy, path, raw, headers, limits)
+        answer = await post_any(hops.client, pool, hops.policy, path, raw, headers, limits, as_is)
         return web.Response(body=answer, content_type="application/json")
 
     return handle

@@ -20,11 +20,14 @@ from tokenline.proxy.config import ProxyConfig
 REQUEST = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-def garbage_app(*paths: str) -> web.Application:
-    """200 with a body that is no JSON, on `paths`; `/health` fine."""
+def garbage_app(*paths: str, calls: list[str] | None = None) -> web.Application:
+    """200 with a body that is no JSON, on `paths` (each call's path noted in `calls`);
+    `/health` fine."""
 
     async def garbage(request: web.Request) -> web.Response:
         await request.read()
+        if calls is not None:
+            calls.append(request.path)
         return web.Response(body=b"<html>not an answer</html>", content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
@@ -90,3 +93,26 @@ async def test_an_unreadable_answer_is_the_hops_502_not_the_clients_400(
     assert resp.status == 502, text
     error = json.loads(text)["error"]
     assert f"{hop} answered an unreadable body" in error["message"]
+
+
+async def test_a_render_replica_that_garbles_its_answers_is_left_for_another(
+    aiohttp_client: Any, tiers: Tiers
+) -> None:
+    """Render is pure: an answer its replica garbled is that replica's fault, counted against
+    it, and the request is rendered again on another replica (the client never sees it)."""
+    calls: list[str] = []
+    bad = garbage_app("/v1/chat/completions/render", calls=calls)
+    async with served(bad, engine_app()) as (bad_url, engine_url):
+        config = ProxyConfig(
+            render_urls=(bad_url, tiers.render),
+            derender_urls=(tiers.derender,),
+            decode_urls=(engine_url,),
+            retry_attempts=2,
+            open=True,
+        )
+        client = await aiohttp_client(make_proxy(config))
+        for _ in range(4):
+            resp = await client.post("/v1/chat/completions", json=REQUEST)
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["choices"][0]["finish_reason"] == "length"
+    assert calls  # the garbling replica was tried, and its answers went elsewhere
