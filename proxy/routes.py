@@ -127,12 +127,13 @@ class EventStream:
     def open(self) -> bool:
         """`send_now` may write: the head went out, the connection is open, and its buffer
         has room (otherwise `send` waits for it)."""
-        transport = self.request.transport
+        transport, protocol = self.transport, self.protocol
         return (
             self.sent
             and transport is not None
+            and protocol is not None
             and not transport.is_closing()
-            and not self.request.protocol.writing_paused
+            and not protocol.writing_paused
         )
 
     def send_now(self, chunks: list[Any]) -> bool:
@@ -143,12 +144,8 @@ class EventStream:
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():
             return False
-        if len(chunks) == 1 and self.chunked:  # a pump's one event: framed in one step
-            payload = JSON.encode(chunks[0])
-            transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + 8, payload))
-        else:
-            data = events(chunks)
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        data = events(chunks)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return not protocol.writing_paused
 
     async def serve(self, run: Awaitable[None]) -> web.StreamResponse:
