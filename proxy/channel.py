@@ -17,9 +17,10 @@ from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.retry import on_replicas
 from tokenline.proxy.transport import HttpDerender, derendered
-from tokenline.proxy.upstream import rejected_or_failed, translated
+from tokenline.proxy.upstream import readable, rejected_or_failed, translated
 from tokenline.shared.errors import (
     ServiceError,
+    UpstreamError,
     UpstreamRejected,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -35,19 +36,42 @@ class Connection:
     sock: zmq.asyncio.Socket
     pending: dict[int, asyncio.Future[tuple[int, bytes]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
+    failure: ServiceError | None = None
+    """Why the socket stopped being read: its calls failed with it, and the next call opens
+    another socket."""
 
     async def read(self) -> None:
-        while True:
-            reply = REPLY.decode(await self.sock.recv())
-            future = self.pending.pop(reply.id, None)
-            if future is not None and not future.done():
-                future.set_result((reply.status, reply.body))
+        """Routes each reply to its caller. A reply that cannot be read (whose id, then, is
+        unknown) ends the reading: every call in flight on the socket fails at once, as the
+        replica's fault, instead of waiting out `CALL_TIMEOUT` for answers nobody routes."""
+        try:
+            while True:
+                reply = REPLY.decode(await self.sock.recv())
+                future = self.pending.pop(reply.id, None)
+                if future is not None and not future.done():
+                    future.set_result((reply.status, reply.body))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.fail(UpstreamError(f"derender sent a reply the proxy cannot read: {exc}"))
+        except zmq.ZMQError as exc:
+            self.fail(UpstreamUnavailable(f"derender's ZMQ socket failed: {exc}"))
+        except Exception as exc:  # a bug: the calls must still hear, now
+            self.fail(UpstreamError(f"the proxy's derender ZMQ reader failed: {exc!r}"))
+
+    def fail(self, failure: ServiceError) -> None:
+        self.failure = failure
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(failure)
 
     async def close(self) -> None:
+        """Closed at once: calls still waiting fail now, not when their time runs out."""
         if self.reader is not None:
             self.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.reader
+        if self.failure is None:
+            self.fail(UpstreamUnavailable("the proxy closed its derender ZMQ socket"))
         self.sock.close(linger=0)
 
 
@@ -62,26 +86,24 @@ class ZmqDerender(HttpDerender):
         body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client, True)))
 
         async def once(worker: Worker) -> bytes:
-            try:
-                with self.pool.lease(worker):
-                    return await self._call_once(worker, call, body)
-            except UpstreamRejected:
-                raise
-            except ServiceError:
-                await self._drop(worker)
-                raise
+            with self.pool.lease(worker):
+                return await self._call_once(worker, call, body)
 
         data = await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
         return derendered(call.kind.stream_answer_msgpack, data)
 
     async def _connection(self, worker: Worker) -> Connection:
-        if (conn := self.connections.get(worker.url)) is not None:
+        conn = self.connections.get(worker.url)
+        if conn is not None and conn.failure is None:
             return conn
         # calls that find no socket yet share the one opened first (each replica on its own:
         # one slow to answer /v1/zmq holds up no other)
         async with self.opening.setdefault(worker.url, asyncio.Lock()):
-            if (conn := self.connections.get(worker.url)) is not None:
+            conn = self.connections.get(worker.url)
+            if conn is not None and conn.failure is None:
                 return conn
+            if conn is not None:  # its reading ended: that socket goes, another is opened
+                await self._drop(worker, conn)
             return await self._open(worker)
 
     async def _open(self, worker: Worker) -> Connection:
@@ -103,6 +125,17 @@ class ZmqDerender(HttpDerender):
 
     async def _call_once(self, worker: Worker, call: StreamCall, body: bytes) -> bytes:
         conn = await self._connection(worker)
+        try:
+            return await self._exchange(conn, worker, call, body)
+        except UpstreamRejected:
+            raise
+        except ServiceError:  # the socket is suspect: the next call opens another
+            await self._drop(worker, conn)
+            raise
+
+    async def _exchange(
+        self, conn: Connection, worker: Worker, call: StreamCall, body: bytes
+    ) -> bytes:
         call_id = next(self.ids)
         future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         conn.pending[call_id] = future
@@ -114,14 +147,16 @@ class ZmqDerender(HttpDerender):
         finally:
             conn.pending.pop(call_id, None)
         if status >= 400:
-            envelope = JSON.encode(msgspec.msgpack.decode(data))
+            envelope = JSON.encode(readable("derender", msgspec.msgpack.decode, data))
             raise rejected_or_failed("derender", worker, status, envelope)
         return data
 
-    async def _drop(self, worker: Worker) -> None:
-        conn = self.connections.pop(worker.url, None)
-        if conn is not None:
-            await conn.close()
+    async def _drop(self, worker: Worker, conn: Connection) -> None:
+        """`conn` closed, and forgotten if it is still the replica's socket (calls that failed
+        with it must not close the one a retry opened since)."""
+        if self.connections.get(worker.url) is conn:
+            del self.connections[worker.url]
+        await conn.close()
 
     async def close(self) -> None:
         await self.cancel_submitted()

@@ -608,3 +608,84 @@ async def test_closing_the_transport_tells_submitted_calls(name: str) -> None:
         await client.close()
         for s in servers:
             await s.close()
+
+
+@contextlib.asynccontextmanager
+async def garbling_zmq_replica() -> AsyncIterator[tuple[str, list[int]]]:
+    """A derender replica whose ZMQ channel answers every call with bytes that are no reply
+    (0xc1 is never used by msgpack); yields its URL and the number of calls it got."""
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context()
+    sock = context.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    got = [0]
+
+    async def garble() -> None:
+        while True:
+            ident, _ = await sock.recv_multipart()
+            got[0] += 1
+            await sock.send_multipart([ident, b"\xc1 not a reply"])
+
+    async def advertise(request: web.Request) -> web.Response:
+        return web.json_response({"endpoint": f"tcp://127.0.0.1:{port}"})
+
+    app = web.Application()
+    app.router.add_get("/v1/zmq", advertise)
+    server = TestServer(app)
+    await server.start_server()
+    task = asyncio.create_task(garble())
+    try:
+        yield str(server.make_url("")).rstrip("/"), got
+    finally:
+        task.cancel()
+        await server.close()
+        sock.close(linger=0)
+        context.term()
+
+
+async def test_a_zmq_reply_the_proxy_cannot_read_fails_its_calls_at_once(client: Client) -> None:
+    """A reply whose id cannot be read used to end the socket's reader silently: every call on
+    the socket then waited out its 30 s timeout. Now they all fail at once as the replica's
+    fault (a 502, never the client's 400), and the socket is forgotten."""
+    async with garbling_zmq_replica() as (url, got):
+        pool = Pool("derender", (url,))
+        policy = RetryPolicy(attempts=1, sleep=False)
+        transport = ZmqDerender(client, pool, policy, METRICS, LIMITS)
+        try:
+            calls = [transport.stream(call(t)) for t in range(3)]
+            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+            assert all(isinstance(o, UpstreamError) for o in outcomes), outcomes
+            assert all(o.status == 502 for o in outcomes)  # type: ignore[union-attr]
+            assert "cannot read" in str(outcomes[0])
+            assert got[0] == 3
+            assert url not in transport.connections  # the next call opens a new socket
+        finally:
+            await asyncio.wait_for(transport.close(), 5)
+
+
+async def test_a_garbling_zmq_replica_is_passed_over_for_a_good_one(client: Client) -> None:
+    """derender is pure: a call its replica garbled goes to another replica."""
+
+    async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
+        token = req.generate_chunk.choices[0].token_ids[0]
+        return answer_for({"generate_chunk": {"choices": [{"token_ids": [token]}]}})
+
+    good = web.Application()
+    good.cleanup_ctx.append(channel_ctx("127.0.0.1", 0, handle))
+    good.router.add_get("/v1/zmq", endpoint)
+    server = TestServer(good)
+    await server.start_server()
+    async with garbling_zmq_replica() as (url, got):
+        pool = Pool("derender", (url, str(server.make_url("")).rstrip("/")))
+        transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+        try:
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(transport.stream(call(t)) for t in range(6))), 10
+            )
+            assert [_content(a) for a in answers] == ["0", "1", "2", "3", "4", "5"]
+            assert got[0] >= 1  # the garbling replica had its turn, and was passed over
+        finally:
+            await asyncio.wait_for(transport.close(), 5)
+            await server.close()
