@@ -36,7 +36,6 @@ from tokenline.proxy.hops import Hops, Prefilled
 from tokenline.proxy.migration import MAX_MIGRATIONS, continuation, why_not
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.pump import Pump
-from tokenline.proxy.transport import derendered
 from tokenline.proxy.upstream import Pumping
 from tokenline.shared.errors import (
     Diverged,
@@ -82,8 +81,8 @@ async def whole(
     legs = (hops.behind_prefill(g, kind, headers, decode) for g in gens)
     responses = await asyncio.gather(*legs)
     body = whole_derender_body(kind, client, raw, gens, list(responses))
-    data = await hops.derender.whole(kind, JSON.encode(body), headers.pure())
-    return msgspec.structs.replace(derendered(kind.whole, data), id=rendered.public_id)
+    answer = await hops.derender.whole(kind, JSON.encode(body), headers.pure())
+    return msgspec.structs.replace(answer, id=rendered.public_id)
 
 
 class Out(Protocol):

@@ -26,7 +26,7 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Worker
 from tokenline.proxy.retry import RetryPolicy, on_replicas
 from tokenline.proxy.sockets import BatchSockets
-from tokenline.proxy.upstream import as_is, post_any, readable
+from tokenline.proxy.upstream import post_any, readable
 from tokenline.shared.errors import (
     PayloadTooLarge,
     ServiceError,
@@ -65,8 +65,9 @@ class DerenderTransport(Protocol):
         """Held by a stream while its chunks keep coming (batching waits for them)."""
         ...
 
-    async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:
-        """One non-streaming derender call (vLLM's JSON body); the answer's bytes."""
+    async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> Any:
+        """One non-streaming derender call (vLLM's JSON body); the answer, read (`kind.whole`)
+        on its replica's account: one that garbles it is passed over for another."""
         ...
 
     async def close(self) -> None: ...
@@ -91,20 +92,20 @@ class HttpDerender:
     """`submit`'s calls in flight (a task each, but for the batched transport's), and who
     hears each."""
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        call = post_any(
-            self.client, self.pool, self.policy, path, body, headers, self.limits, as_is
-        )
+    async def post(
+        self, path: str, body: bytes, headers: dict[str, str], read: Callable[[bytes], T]
+    ) -> T:
+        call = post_any(self.client, self.pool, self.policy, path, body, headers, self.limits, read)
         return await self.metrics.timed("derender", call)
 
-    async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> bytes:
-        return await self.post(kind.derender_path, body, headers)
+    async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> Any:
+        return await self.post(kind.derender_path, body, headers, kind.whole.decode)
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
         # the client's own bytes: no re-encoding of the original request per chunk
         body = JSON.encode(call.fields(msgspec.Raw(call.client_raw)))
-        data = await self.post(call.kind.derender_path, body, JSON_HEADERS)
-        return derendered(RAW_STREAM_ANSWER, data)
+        path = call.kind.derender_path
+        return await self.post(path, body, JSON_HEADERS, RAW_STREAM_ANSWER.decode)
 
     def submit(self, call: StreamCall, answered: Answered) -> Submitted:
         async def run() -> None:

@@ -95,17 +95,21 @@ async def test_an_unreadable_answer_is_the_hops_502_not_the_clients_400(
     assert f"{hop} answered an unreadable body" in error["message"]
 
 
-async def test_a_render_replica_that_garbles_its_answers_is_left_for_another(
-    aiohttp_client: Any, tiers: Tiers
+@pytest.mark.parametrize("hop", ["render", "derender"])
+async def test_a_pure_replica_that_garbles_its_answers_is_left_for_another(
+    aiohttp_client: Any, tiers: Tiers, hop: str
 ) -> None:
-    """Render is pure: an answer its replica garbled is that replica's fault, counted against
-    it, and the request is rendered again on another replica (the client never sees it)."""
+    """Render and derender are pure: an answer a replica garbled is that replica's fault,
+    counted against it, and the call goes again to another replica (the client never sees
+    it). derender's whole answer was read after its call, and its garbage was the client's
+    502."""
     calls: list[str] = []
-    bad = garbage_app("/v1/chat/completions/render", calls=calls)
+    path = f"/v1/chat/completions/{hop}"
+    bad = garbage_app(path, calls=calls)
     async with served(bad, engine_app()) as (bad_url, engine_url):
         config = ProxyConfig(
-            render_urls=(bad_url, tiers.render),
-            derender_urls=(tiers.derender,),
+            render_urls=(bad_url, tiers.render) if hop == "render" else (tiers.render,),
+            derender_urls=(bad_url, tiers.derender) if hop == "derender" else (tiers.derender,),
             decode_urls=(engine_url,),
             retry_attempts=2,
             open=True,
@@ -115,4 +119,4 @@ async def test_a_render_replica_that_garbles_its_answers_is_left_for_another(
             resp = await client.post("/v1/chat/completions", json=REQUEST)
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["choices"][0]["finish_reason"] == "length"
-    assert calls  # the garbling replica was tried, and its answers went elsewhere
+    assert path in calls  # the garbling replica was tried, and its answers went elsewhere
