@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from tokenline.launch import servers
-from tokenline.launch.bench import cpu, exactness, lineup, report
+from tokenline.launch.bench import cores, cpu, exactness, lineup, report
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.load import (
     EngineTarget,
@@ -218,9 +219,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mix = request_mix(args.requests, chat_share=args.chat_share, logprobs_share=args.logprobs_share)
     lineup_plan = plan(args, model, mix)
     sequential = one_at_a_time(args.sequential, lineup_plan.engines, available_gib())
+    split = cores.Split.of(os.sched_getaffinity(0)) if args.split_cores else None
+    if split is not None:
+        split.apply_here()
     points: list[dict[str, Any]] = []
     answers: dict[str, dict[str, exactness.Answer]] = {}
     for running in _each(lineup_plan.groups, sequential):
+        if split is not None and not args.double:
+            engines = {id(r.server): r.server for r in running}.values()
+            if split.pin_models(engines) < len(list(engines)):
+                raise SystemExit("--split-cores: an engine has no EngineCore process to pin")
         points += measure(running, mix, args)
         if not args.double and not args.no_exactness:
             asyncio.run(_answers(running, answers))
@@ -233,6 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chat_share": args.chat_share,
         "logprobs_share": args.logprobs_share,
         "sequential": sequential,
+        "cores": split.to_json() if split is not None else None,
         "skipped": lineup_plan.skipped,
         "points": points,
     }
@@ -293,6 +302,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "memory is short for all at once)",
     )
     parser.add_argument("--no-exactness", action="store_true", help="skip the exactness check")
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="the model (each engine's EngineCore, one OpenMP thread) on the last core, "
+        "everything else on the others, as on a GPU box (default: every process on every core)",
+    )
     parser.add_argument("--out", default=str(servers.build_dir() / "bench"))
 
 

@@ -114,6 +114,10 @@ HEADER = (
 )
 
 
+def _cores(ids: list[int]) -> str:
+    return ", ".join(map(str, ids))
+
+
 def markdown(result: dict[str, Any]) -> str:
     by = _by(result)
     levels = sorted({p["level"] for p in result["points"]})
@@ -131,6 +135,13 @@ def markdown(result: dict[str, Any]) -> str:
             f"Mix: {result['requests_in_mix']} seeded streaming requests, "
             f"{result['chat_share']:.0%} chat, {result['logprobs_share']:.0%} with top-2 "
             "logprobs.",
+            "",
+        ]
+    if split := result.get("cores"):
+        lines += [
+            f"Cores split: the model (each engine's EngineCore, one OpenMP thread) on core(s) "
+            f"{_cores(split['model'])}, everything else (vLLM's servers, the front ends, the "
+            f"load) on {_cores(split['front'])}.",
             "",
         ]
     for name, why in result.get("skipped", {}).items():
