@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 
 from tokenline.launch import servers
-from tokenline.launch.bench import cpu, double, lineup, pipeline, relay
+from tokenline.launch.bench import cores, cpu, double, lineup, pipeline, relay
 from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.load import (
@@ -482,6 +483,46 @@ def test_cpu_is_read_from_the_process_tree() -> None:
         "cpu_core_us": 2000.0,
     }
     assert cpu.per_token(cpu.Split(), 0, has_front=True)["cpu_front_us"] is None
+
+
+def test_split_cores_pins_each_engine_core_and_nothing_else() -> None:
+    """`--split-cores`: every thread of a server's EngineCore process (found by vLLM's process
+    title) moves to the last core, the server itself and its other children stay."""
+    split = cores.Split.of([0, 1, 2, 3])
+    assert split.front == {0, 1, 2} and split.model == {3}
+    with pytest.raises(SystemExit):
+        cores.Split.of([5])
+    here = sorted(os.sched_getaffinity(0))
+    assert len(here) >= 2, "this test needs a machine of two cores or more"
+    split = cores.Split.of(here)
+    titled = (
+        "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+        "ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore'); time.sleep(60)"
+    )
+    tree = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {titled!r}]); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", tree], start_new_session=True)
+    try:
+        import psutil
+
+        server = Process("engine", [], 0, proc=proc)
+        children: list[Any] = []
+        for _ in range(50):  # the children start
+            children = psutil.Process(proc.pid).children()
+            if len(children) == 2 and any(c.name().startswith(cpu.ENGINE_CORE) for c in children):
+                break
+            time.sleep(0.1)
+        assert split.pin_models([server, None]) == 1
+        for child in children:
+            pinned = {os.sched_getaffinity(t.id) == split.model for t in child.threads()}
+            assert pinned == {child.name().startswith(cpu.ENGINE_CORE)}
+        assert os.sched_getaffinity(proc.pid) == set(here)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # --------------------------------------------------------------------------- real gateway
