@@ -193,9 +193,7 @@ class EngineTarget(Target):
     render_url: str | None = None
 
     async def send(self, session: aiohttp.ClientSession, spec: Spec) -> Sample:
-        body = dict(self.rendered[id(spec)])
-        body["sampling_params"] = {k: v for k, v in body["sampling_params"].items() if k != "stop"}
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        body = tokens_only(self.rendered[id(spec)], stream=True)
         return await _stream(session, self.url + GENERATE, body, _generate_tokens)
 
     async def answer(self, session: aiohttp.ClientSession, case: Case) -> Answer | None:
@@ -205,11 +203,17 @@ class EngineTarget(Target):
             self.render_url + openai_path(case.kind) + "/render", json=case.body
         ) as resp:
             rendered = await resp.json()
-        body = rendered if case.kind == "chat" else rendered[0]
-        body["stream"] = case.stream
-        if case.stream:
-            body["stream_options"] = {"include_usage": True}
+        body = tokens_only(rendered if case.kind == "chat" else rendered[0], case.stream)
         return await ask(session, self.url + GENERATE, body)
+
+
+def tokens_only(rendered: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """A render's generate request as the engine alone gets it: token IDs out, as tokenline
+    asks for them (`detokenize: false`: an engine with a tokenizer would otherwise decode every
+    token in its server, work no target's engine does), no stop strings (derender's job)."""
+    params = {k: v for k, v in rendered["sampling_params"].items() if k != "stop"}
+    body = {**rendered, "sampling_params": params | {"detokenize": False}, "stream": stream}
+    return body | ({"stream_options": {"include_usage": True}} if stream else {})
 
 
 async def closed_loop(
