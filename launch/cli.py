@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenline.launch.process import Process
 
 GENERATE_START_S = 600.0  # vLLM on a busy CPU can take minutes to load and warm up
 
@@ -62,7 +67,26 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> int:
         env=environment(config),
         host=config.host,
     )
-    return run_foreground(vllm, GENERATE_START_S)
+    pinned = config.cpu_cores is not None and config.role == "both" and config.mode == "engine"
+    return run_foreground(vllm, GENERATE_START_S, _pin(config.cpu_cores) if pinned else None)
+
+
+def _pin(mask: str | None) -> Callable[[Process], None]:
+    """`--cpu-cores` for a one-pool engine, applied once it is up (vLLM's `uni` executor never
+    applies it; P/D engines apply it themselves, through the NIXL shim)."""
+    from tokenline.launch.process import say
+    from tokenline.services.generate.launcher import bound_cores, pin_engine
+
+    cores = bound_cores(mask)
+    assert cores is not None  # GenerateConfig checked it
+
+    def pin(vllm: Process) -> None:
+        assert vllm.proc is not None
+        if pin_engine(vllm.proc.pid, cores) == 0:
+            raise SystemExit(f"--cpu-cores {mask}: vLLM started no engine process to pin")
+        say(f"{vllm.name} engine kept on cores {sorted(cores)}")
+
+    return pin
 
 
 def _make_model(args: argparse.Namespace, extra: list[str]) -> int:

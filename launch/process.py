@@ -246,9 +246,12 @@ def start_all(processes: Sequence[Process], timeout: float) -> None:
     wait_all(processes, timeout)
 
 
-def run_foreground(process: Process, timeout: float) -> int:
+def run_foreground(
+    process: Process, timeout: float, ready: Callable[[Process], None] | None = None
+) -> int:
     """Run one child as if it were us: forward SIGINT/SIGTERM to its group, say when it is
-    ready, and return its exit code; if we leave early, the child stops too."""
+    ready (after `ready(process)`, which may raise `SystemExit` to give up on it), and return
+    its exit code; if we leave early, the child stops too."""
 
     def forward(signum: int, _frame: object) -> None:
         if process.alive():
@@ -261,6 +264,8 @@ def run_foreground(process: Process, timeout: float) -> int:
         signal.signal(sig, forward)
     try:
         process.wait_healthy(timeout)
+        if ready is not None:
+            ready(process)
         say(f"{process.name} ready on {process.url}")
         return process.proc.wait()
     except ProcessExited as exc:  # its own output, above, says why

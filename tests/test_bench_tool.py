@@ -34,6 +34,7 @@ from tokenline.launch.bench.load import (
 )
 from tokenline.launch.bench.report import markdown, plots
 from tokenline.launch.process import Process
+from tokenline.services.generate.launcher import ENGINE_CORE
 from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
 
 
@@ -529,13 +530,13 @@ def test_split_cores_pins_each_engine_core_and_nothing_else() -> None:
         children: list[Any] = []
         for _ in range(50):  # the children start
             children = psutil.Process(proc.pid).children()
-            if len(children) == 2 and any(c.name().startswith(cpu.ENGINE_CORE) for c in children):
+            if len(children) == 2 and any(c.name().startswith(ENGINE_CORE) for c in children):
                 break
             time.sleep(0.1)
         assert split.pin_models([server, None]) == 1
         for child in children:
             pinned = {os.sched_getaffinity(t.id) == split.model for t in child.threads()}
-            assert pinned == {child.name().startswith(cpu.ENGINE_CORE)}
+            assert pinned == {child.name().startswith(ENGINE_CORE)}
         assert os.sched_getaffinity(proc.pid) == set(here)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

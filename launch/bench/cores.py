@@ -19,8 +19,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tokenline.launch.bench.cpu import ENGINE_CORE
 from tokenline.launch.process import Process
+from tokenline.services.generate.launcher import pin_engine
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,13 @@ class Split:
         os.environ["OMP_NUM_THREADS"] = str(len(self.model))
 
     def pin_models(self, servers: Iterable[Process | None]) -> int:
-        """Every thread of each server's EngineCore process moved to the model cores (threads
-        it starts later inherit them); how many EngineCore processes were moved."""
-        import psutil  # vLLM's dependency; only benchmarks pin processes
-
-        moved = 0
-        for server in servers:
-            if server is None or server.proc is None:
-                continue
-            for p in psutil.Process(server.proc.pid).children(recursive=True):
-                if p.name().startswith(ENGINE_CORE):
-                    for thread in p.threads():
-                        os.sched_setaffinity(thread.id, self.model)
-                    moved += 1
-        return moved
+        """Each server's EngineCore process on the model cores (`launcher.pin_engine`); how
+        many were moved."""
+        return sum(
+            pin_engine(server.proc.pid, self.model)
+            for server in servers
+            if server is not None and server.proc is not None
+        )
 
     def to_json(self) -> dict[str, list[int]]:
         return {"front": sorted(self.front), "model": sorted(self.model)}

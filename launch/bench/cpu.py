@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenline.launch.process import Process
-
-ENGINE_CORE = "VLLM::EngineCor"  # vLLM's process title, as the kernel keeps it (15 characters)
+from tokenline.services.generate.launcher import ENGINE_CORE
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,9 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_gib: Positive = 1
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     cpu_cores: str | None = None
-    """Cores to pin to, e.g. 0 or 0-1 (VLLM_CPU_OMP_THREADS_BIND)."""
+    """Cores the engine computes on, e.g. 0 or 0-1 (VLLM_CPU_OMP_THREADS_BIND), with one
+    OpenMP thread each: P/D engines through the NIXL shim, a one-pool engine by `tokenline
+    generate` once it is up (`pin_engine`); vLLM's server stays where it was."""
     nixl_port: Port | None = None
     """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
     kv_buffer_device: str = "cpu"
@@ -80,6 +82,49 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.role != "both" and self.mode != "engine":
             raise ValueError(f"role {self.role!r} needs an engine, not {self.mode!r}")
+        if self.cpu_cores is not None and not bound_cores(self.cpu_cores):
+            raise ValueError(f"cpu_cores {self.cpu_cores!r} names no cores (e.g. 0, 0-1, 0,2-3)")
+
+
+ENGINE_CORE = "VLLM::EngineCor"
+"""vLLM's engine process title, as the kernel keeps it (15 characters)."""
+
+
+def bound_cores(mask: str | None) -> frozenset[int] | None:
+    """The cores a `VLLM_CPU_OMP_THREADS_BIND` value names ("1", "0-1", "0,2-3"); None for
+    unset, `auto`, `nobind`, one list per rank ("0|1": not one engine's cores), or no cores."""
+    if not mask or mask in ("auto", "nobind") or "|" in mask:
+        return None
+    cores: set[int] = set()
+    try:
+        for part in mask.split(","):
+            low, _, high = part.partition("-")
+            cores.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        return None
+    return frozenset(cores) or None
+
+
+def pin_engine(pid: int, cores: frozenset[int]) -> int:
+    """Every thread of each vLLM engine process under `pid` (found by its title) moved to
+    `cores` (threads it starts later inherit them); how many engine processes were moved.
+
+    vLLM applies `VLLM_CPU_OMP_THREADS_BIND` only with its multiprocess executor, and the
+    engines here run `uni`: unpinned, an engine computes with an OpenMP thread per core of the
+    box, whose threads wait on each other whenever anything else holds a core."""
+    import psutil  # vLLM's dependency: wherever an engine runs, it is there
+
+    moved = 0
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            if not proc.name().startswith(ENGINE_CORE):
+                continue
+            for thread in proc.threads():
+                os.sched_setaffinity(thread.id, cores)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue  # gone meanwhile (a thread that ended, a helper that exited)
+        moved += 1
+    return moved
 
 
 def vllm_executable(explicit: str | None = None) -> str:
@@ -169,9 +214,10 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
         # One process per instance: starts in ~20 s instead of ~40 s on this CPU.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
-    if config.cpu_cores is not None:
+    if (cores := bound_cores(config.cpu_cores)) is not None:
         # Disjoint cores per instance: a prefill holding KV busy-steps and starves its peers.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_cores
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(config.cpu_cores)
+        env["OMP_NUM_THREADS"] = str(len(cores))  # not one per core of the box
     if config.grpc:
         # Otherwise the servicer turns vLLM's KV-event publisher on, on every interface.
         env["SMG_VLLM_SERVICER_KV_EVENTS"] = "0"

@@ -36,6 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 from vllm.platforms import current_platform
 
+from tokenline.services.generate.launcher import bound_cores
+
 DEFAULT_DELAY_US = 1000
 log = logging.getLogger("vllm.tokenline_nixl_shim")  # under vLLM's handlers
 # What the engine had before NIXL's worker moved it (this module loads before the connector).
@@ -54,18 +56,6 @@ class _ThrottledAgents:
     def nixlAgent(self, name: str, config: Any) -> Any:
         config.pthrDelay = int(os.environ.get("NIXL_PTHR_DELAY_US", DEFAULT_DELAY_US))
         return self._real.nixlAgent(name, config)
-
-
-def bound_cores(mask: str | None) -> frozenset[int] | None:
-    """The cores a `VLLM_CPU_OMP_THREADS_BIND` value names ("1", "0-1", "0,2-3"); None for
-    unset, `auto`, `nobind`, or one list per rank ("0|1": not one engine's cores)."""
-    if not mask or mask in ("auto", "nobind") or "|" in mask:
-        return None
-    cores: set[int] = set()
-    for part in mask.split(","):
-        low, _, high = part.partition("-")
-        cores.update(range(int(low), int(high or low) + 1))
-    return frozenset(cores)
 
 
 def keep_engine_on(cores: frozenset[int], omp_threads: int | None) -> None:

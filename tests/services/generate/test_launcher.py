@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.test_up import _sessions_alive
@@ -15,6 +17,7 @@ from tokenline.launch.bench.http import post
 from tokenline.launch.process import free_port
 from tokenline.launch.servers import VENV_BIN
 from tokenline.services.generate.launcher import (
+    ENGINE_CORE,
     GenerateConfig,
     command,
     environment,
@@ -66,10 +69,19 @@ def test_one_builder_for_every_vllm() -> None:
     )
     with pytest.raises(ValueError, match="needs an engine"):
         GenerateConfig(model="m", mode="render", role="prefill")
+    for mask in ("auto", "nobind", "x"):  # vLLM's `uni` executor would ignore them in silence
+        with pytest.raises(ValueError, match="names no cores"):
+            GenerateConfig(model="m", cpu_cores=mask)
+    pinned = environment(GenerateConfig(model="m", cpu_cores="0,2-3"), {})
+    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0,2-3" and pinned["OMP_NUM_THREADS"] == "3"
 
 
 def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
+    """Also `--cpu-cores` on a one-pool engine: vLLM's `uni` executor ignores its
+    VLLM_CPU_OMP_THREADS_BIND, so the launcher moves the engine there once it is up (it stayed
+    on every core, with an OpenMP thread each)."""
     port = free_port()
+    last = max(os.sched_getaffinity(0))
     proc = subprocess.Popen(
         [
             str(VENV_BIN / "tokenline"),
@@ -80,6 +92,8 @@ def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
             str(port),
             "--served-model-name",
             "tiny",
+            "--cpu-cores",
+            str(last),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -95,6 +109,18 @@ def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
             if "ready on" in line or not line:
                 break
         assert f"generate[both] ready on http://127.0.0.1:{port}" in "".join(lines), lines[-20:]
+        assert f"generate[both] engine kept on cores [{last}]" in "".join(lines)
+        engines = [
+            p for p in psutil.Process(proc.pid).children(recursive=True)
+            if p.name().startswith(ENGINE_CORE)
+        ]  # fmt: skip
+        assert len(engines) == 1
+        assert {frozenset(os.sched_getaffinity(t.id)) for t in engines[0].threads()} == {
+            frozenset({last})
+        }
+        others = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
+        servers = [pid for pid in others if pid != engines[0].pid]
+        assert all(os.sched_getaffinity(pid) == os.sched_getaffinity(0) for pid in servers)
         status, out = post(
             f"http://127.0.0.1:{port}/inference/v1/generate",
             {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}},

@@ -27,11 +27,12 @@ from tokenline.proxy.flow import PREFILL_PARAMS
         ("nobind", None),
         ("0|1", None),
         (None, None),
+        ("x", None),
+        ("1-", None),
     ],
 )
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the shim imports vLLM and torch
 def test_bound_cores_reads_vllms_mask(mask: str | None, cores: set[int] | None) -> None:
-    from tokenline.services.generate.nixl_shim import bound_cores
+    from tokenline.services.generate.launcher import bound_cores
 
     assert bound_cores(mask) == (frozenset(cores) if cores is not None else None)
 
