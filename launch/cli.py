@@ -7,6 +7,7 @@ none of render, derender or proxy imports torch or vLLM.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +80,9 @@ def _pin(mask: str | None) -> Callable[[Process], None]:
 
     cores = bound_cores(mask)
     assert cores is not None  # GenerateConfig checked it
+    if not cores <= os.sched_getaffinity(0):  # checked before vLLM spends minutes loading
+        have = sorted(os.sched_getaffinity(0))
+        raise SystemExit(f"--cpu-cores {mask}: this process may only run on cores {have}")
 
     def pin(vllm: Process) -> None:
         assert vllm.proc is not None

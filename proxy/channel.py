@@ -17,11 +17,10 @@ from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.retry import on_replicas
 from tokenline.proxy.transport import HttpDerender, derendered
-from tokenline.proxy.upstream import readable, rejected_or_failed, translated
+from tokenline.proxy.upstream import rejected_or_failed, translated
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
-    UpstreamRejected,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -75,6 +74,15 @@ class Connection:
         self.sock.close(linger=0)
 
 
+def _error_json(data: bytes) -> bytes:
+    """An error reply's msgpack body as the JSON `rejected_or_failed` reads (anything it cannot
+    be is passed on as it is: the replica's fault, named as such)."""
+    try:
+        return JSON.encode(msgspec.msgpack.decode(data))
+    except (msgspec.DecodeError, msgspec.EncodeError, TypeError, ValueError):
+        return data
+
+
 @dataclass
 class ZmqDerender(HttpDerender):
     context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context)
@@ -85,12 +93,15 @@ class ZmqDerender(HttpDerender):
     async def stream(self, call: StreamCall) -> StreamAnswer:
         body = MSGPACK.encode(call.kind.derender_request(**call.fields(call.client, True)))
 
-        async def once(worker: Worker) -> bytes:
+        async def once(worker: Worker) -> StreamAnswer:
             with self.pool.lease(worker):
-                return await self._call_once(worker, call, body)
+                status, data = await self._call_once(worker, call, body)
+            if status >= 400:  # an error reply: the socket is fine, the call is not
+                raise rejected_or_failed("derender", worker, status, _error_json(data))
+            # read on the replica's account: a garbled answer goes to another replica
+            return derendered(call.kind.stream_answer_msgpack, data)
 
-        data = await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
-        return derendered(call.kind.stream_answer_msgpack, data)
+        return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
 
     async def _connection(self, worker: Worker) -> Connection:
         conn = self.connections.get(worker.url)
@@ -123,19 +134,18 @@ class ZmqDerender(HttpDerender):
         self.connections[worker.url] = conn
         return conn
 
-    async def _call_once(self, worker: Worker, call: StreamCall, body: bytes) -> bytes:
+    async def _call_once(self, worker: Worker, call: StreamCall, body: bytes) -> tuple[int, bytes]:
+        """The call's reply (status, body) from `worker`'s socket."""
         conn = await self._connection(worker)
         try:
             return await self._exchange(conn, worker, call, body)
-        except UpstreamRejected:
-            raise
-        except ServiceError:  # the socket is suspect: the next call opens another
+        except ServiceError:  # no reply: the socket is suspect, the next call opens another
             await self._drop(worker, conn)
             raise
 
     async def _exchange(
         self, conn: Connection, worker: Worker, call: StreamCall, body: bytes
-    ) -> bytes:
+    ) -> tuple[int, bytes]:
         call_id = next(self.ids)
         future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         conn.pending[call_id] = future
@@ -146,10 +156,7 @@ class ZmqDerender(HttpDerender):
             raise UpstreamTimeout(f"derender {worker.url} (zmq) timed out") from exc
         finally:
             conn.pending.pop(call_id, None)
-        if status >= 400:
-            envelope = JSON.encode(readable("derender", msgspec.msgpack.decode, data))
-            raise rejected_or_failed("derender", worker, status, envelope)
-        return data
+        return status, data
 
     async def _drop(self, worker: Worker, conn: Connection) -> None:
         """`conn` closed, and forgotten if it is still the replica's socket (calls that failed

@@ -265,11 +265,7 @@ class BatchedDerender(HttpDerender):
         then complete the next batch."""
         outcomes: list[StreamAnswer | ServiceError]
         try:
-            answers = derendered(BATCH_ANSWER, await self._exchange(kind, body))
-            if len(answers) != len(batch):
-                raise UpstreamError(
-                    f"derender answered {len(answers)} items to a batch of {len(batch)}"
-                )
+            answers = await self._exchange(kind, body, len(batch))
         except Exception as exc:  # a bug too: its callers must hear, or they wait forever
             outcomes = [as_service_error(exc)] * len(batch)
         else:
@@ -279,12 +275,17 @@ class BatchedDerender(HttpDerender):
         for p, outcome in zip(batch, outcomes, strict=True):
             _settle(p, outcome)
 
-    async def _exchange(self, kind: Kind, body: bytes) -> bytes:
-        """One batch answered by a replica (another one if it fails: derender is pure)."""
+    async def _exchange(self, kind: Kind, body: bytes, items: int) -> list[msgspec.Raw]:
+        """A batch of `items` calls answered (each answer still raw) by a replica: by another
+        one if it fails or answers what is no answer to this batch (derender is pure)."""
 
-        async def once(worker: Worker) -> bytes:
+        async def once(worker: Worker) -> list[msgspec.Raw]:
             with self.pool.lease(worker):
-                return await self.sockets.exchange(worker, kind.name, body)
+                data = await self.sockets.exchange(worker, kind.name, body)
+            answers: list[msgspec.Raw] = derendered(BATCH_ANSWER, data)
+            if len(answers) != items:
+                raise UpstreamError(f"derender answered {len(answers)} items to a batch of {items}")
+            return answers
 
         return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
 

@@ -16,6 +16,7 @@ process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -119,10 +120,12 @@ def pin_engine(pid: int, cores: frozenset[int]) -> int:
         try:
             if not proc.name().startswith(ENGINE_CORE):
                 continue
-            for thread in proc.threads():
+            threads = proc.threads()
+        except psutil.NoSuchProcess:
+            continue  # a helper that exited meanwhile
+        for thread in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
                 os.sched_setaffinity(thread.id, cores)
-        except (psutil.NoSuchProcess, ProcessLookupError):
-            continue  # gone meanwhile (a thread that ended, a helper that exited)
         moved += 1
     return moved
 

@@ -9,17 +9,18 @@ import base64
 import contextlib
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 import pytest
 import uvloop
+import zmq
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestServer
 
 from tokenline.proxy import transport as transport_module
-from tokenline.proxy.channel import ZmqDerender
+from tokenline.proxy.channel import Connection, ZmqDerender
 from tokenline.proxy.flow import StreamCall
 from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.metrics import ProxyMetrics
@@ -40,6 +41,7 @@ from tokenline.shared.wire import (
     GenerateStreamChoice,
     GenerateStreamChunk,
 )
+from tokenline.shared.zmq import CALL, MSGPACK, Call, Reply
 
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455
 RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
@@ -79,9 +81,16 @@ class FakeDerender:
     next batch instead of answering it."""
 
     def __init__(
-        self, fail: bool = False, hang: bool = False, drop: bool = False, fail_once: bool = False
+        self,
+        fail: bool = False,
+        hang: bool = False,
+        drop: bool = False,
+        fail_once: bool = False,
+        garble: bytes | None = None,
     ) -> None:
         self.fail_once = fail_once
+        self.garble = garble
+        """Every batch answered 200 with these bytes (no answer to it)."""
         self.hang = hang
         self.drop = drop
         self.batches: list[int] = []
@@ -114,6 +123,9 @@ class FakeDerender:
                 continue
             items = json.loads(body)["requests"]
             self.batches.append(len(items))
+            if self.garble is not None:
+                await ws.send_bytes(answer_frame(call_id, 200, self.garble))
+                continue
             answers = json.dumps([answer_for(i) for i in items]).encode()
             await ws.send_bytes(answer_frame(call_id, 200, answers))
         return ws
@@ -337,9 +349,24 @@ async def test_an_error_answer_is_that_batchs_alone(client: Client) -> None:
     fake = FakeDerender(fail_once=True)
     async with batched(client, [fake]) as (transport, pool):
         with pytest.raises(UpstreamError):
-            await transport._exchange(CHAT, _batch_body(1))
+            await transport._exchange(CHAT, _batch_body(1), 1)
         assert _content(await transport.stream(call(2))) == "2"
         assert fake.sockets == 1 and pool.workers[0].breaker.state == "closed"
+
+
+@pytest.mark.parametrize("garble", [b"<html>down</html>", b"[]", b"{}"])
+async def test_a_batch_answer_that_is_none_goes_to_another_replica(
+    client: Client, garble: bytes
+) -> None:
+    """A batch answered 200 with what is no answer to it (no JSON, too few items, no list) is
+    read on its replica's account: the batch goes to another replica, and no caller sees it
+    (it was read after the attempt: every call of the batch failed with a 502)."""
+    bad, good = FakeDerender(garble=garble), FakeDerender()
+    async with batched(client, [bad, good]) as (transport, _):
+        for round_ in range(3):  # least in flight picks either replica first
+            answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
+            assert [_content(a) for a in answers] == ["0", "1", "2", "3"], round_
+    assert bad.batches  # the garbling replica had batches, and they went elsewhere
 
 
 async def test_a_replica_leaving_the_rotation_loses_its_socket(client: Client) -> None:
@@ -424,7 +451,7 @@ async def test_a_derender_without_the_batch_socket_is_named(client: Client) -> N
 async def test_first_batches_at_once_share_one_socket(client: Client) -> None:
     fake = FakeDerender()
     async with batched(client, [fake]) as (transport, _):
-        first = [transport._exchange(CHAT, _batch_body(t)) for t in range(4)]
+        first = [transport._exchange(CHAT, _batch_body(t), 1) for t in range(4)]
         answers = await asyncio.gather(*first)
         assert len(answers) == 4 and fake.sockets == 1 and fake.batches == [1, 1, 1, 1]
 
@@ -610,11 +637,17 @@ async def test_closing_the_transport_tells_submitted_calls(name: str) -> None:
             await s.close()
 
 
+def no_reply(call: Call) -> bytes:
+    """Bytes that are no reply frame (0xc1 is never used by msgpack)."""
+    return b"\xc1 not a reply"
+
+
 @contextlib.asynccontextmanager
-async def garbling_zmq_replica() -> AsyncIterator[tuple[str, list[int]]]:
-    """A derender replica whose ZMQ channel answers every call with bytes that are no reply
-    (0xc1 is never used by msgpack); yields its URL and the number of calls it got."""
-    import zmq
+async def garbling_zmq_replica(
+    reply: Callable[[Call], bytes] = no_reply,
+) -> AsyncIterator[tuple[str, list[int]]]:
+    """A derender replica whose ZMQ channel answers every call with `reply(call)`; yields its
+    URL and the number of calls it got."""
     import zmq.asyncio
 
     context = zmq.asyncio.Context()
@@ -624,9 +657,9 @@ async def garbling_zmq_replica() -> AsyncIterator[tuple[str, list[int]]]:
 
     async def garble() -> None:
         while True:
-            ident, _ = await sock.recv_multipart()
+            ident, frame = await sock.recv_multipart()
             got[0] += 1
-            await sock.send_multipart([ident, b"\xc1 not a reply"])
+            await sock.send_multipart([ident, reply(CALL.decode(frame))])
 
     async def advertise(request: web.Request) -> web.Response:
         return web.json_response({"endpoint": f"tcp://127.0.0.1:{port}"})
@@ -665,8 +698,25 @@ async def test_a_zmq_reply_the_proxy_cannot_read_fails_its_calls_at_once(client:
             await asyncio.wait_for(transport.close(), 5)
 
 
-async def test_a_garbling_zmq_replica_is_passed_over_for_a_good_one(client: Client) -> None:
-    """derender is pure: a call its replica garbled goes to another replica."""
+def _answered_with(status: int, body: bytes) -> Callable[[Call], bytes]:
+    """A ZMQ replica's reply to any call: a well-formed reply frame carrying `body`."""
+    return lambda call: MSGPACK.encode(Reply(call.id, status, body))
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        no_reply,
+        _answered_with(200, b"\xc1"),  # a reply whose answer is no msgpack
+        _answered_with(500, MSGPACK.encode(msgspec.msgpack.Ext(1, b"x"))),  # no JSON error
+    ],
+    ids=["frame", "answer", "error"],
+)
+async def test_a_garbling_zmq_replica_is_passed_over_for_a_good_one(
+    client: Client, reply: Callable[[Call], bytes]
+) -> None:
+    """derender is pure: a call its replica garbled (the reply frame, the answer in it, or an
+    error body no JSON can hold) goes to another replica; it was the client's 502, or a 500."""
 
     async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
         token = req.generate_chunk.choices[0].token_ids[0]
@@ -677,7 +727,7 @@ async def test_a_garbling_zmq_replica_is_passed_over_for_a_good_one(client: Clie
     good.router.add_get("/v1/zmq", endpoint)
     server = TestServer(good)
     await server.start_server()
-    async with garbling_zmq_replica() as (url, got):
+    async with garbling_zmq_replica(reply) as (url, got):
         pool = Pool("derender", (url, str(server.make_url("")).rstrip("/")))
         transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
         try:
@@ -689,3 +739,38 @@ async def test_a_garbling_zmq_replica_is_passed_over_for_a_good_one(client: Clie
         finally:
             await asyncio.wait_for(transport.close(), 5)
             await server.close()
+
+
+async def test_an_error_reply_keeps_its_zmq_socket(client: Client) -> None:
+    """A well-formed error reply is the call's failure, not the socket's: the socket stays
+    (dropping it failed every other call in flight on it)."""
+    envelope = MSGPACK.encode({"error": {"message": "busy", "type": "x", "code": 503}})
+    async with garbling_zmq_replica(_answered_with(503, envelope)) as (url, got):
+        pool = Pool("derender", (url,))
+        transport = ZmqDerender(client, pool, RetryPolicy(attempts=1, sleep=False), METRICS, LIMITS)
+        try:
+            with pytest.raises(ServiceError):
+                await asyncio.wait_for(transport.stream(call(1)), 5)
+            assert got[0] == 1 and url in transport.connections
+        finally:
+            await asyncio.wait_for(transport.close(), 5)
+
+
+async def test_a_failed_call_drops_only_the_socket_it_failed_on(client: Client) -> None:
+    """Calls that failed with one socket close that socket, never the one a retry opened to
+    the same replica since (that retry's call then waited out its timeout)."""
+    transport = ZmqDerender(
+        client, Pool("derender", ("http://127.0.0.1:9",)), RetryPolicy(), METRICS, LIMITS
+    )
+    worker = transport.pool.workers[0]
+    old = Connection(transport.context.socket(zmq.DEALER))
+    new = Connection(transport.context.socket(zmq.DEALER))
+    transport.connections[worker.url] = new
+    waiting: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+    old.pending[1] = waiting
+    try:
+        await transport._drop(worker, old)
+        assert transport.connections[worker.url] is new and new.failure is None
+        assert isinstance(waiting.exception(), UpstreamUnavailable)  # told, not left waiting
+    finally:
+        await transport.close()

@@ -76,6 +76,18 @@ def test_one_builder_for_every_vllm() -> None:
     assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0,2-3" and pinned["OMP_NUM_THREADS"] == "3"
 
 
+def test_cores_the_launcher_may_not_use_are_refused_before_vllm_starts() -> None:
+    done = subprocess.run(
+        [str(VENV_BIN / "tokenline"), "generate", "--model", "m", "--cpu-cores", "4096"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "--cpu-cores 4096: this process may only run on cores" in done.stderr
+    assert "vllm" not in done.stdout.lower()  # refused before anything started
+
+
 def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
     """Also `--cpu-cores` on a one-pool engine: vLLM's `uni` executor ignores its
     VLLM_CPU_OMP_THREADS_BIND, so the launcher moves the engine there once it is up (it stayed
@@ -115,9 +127,7 @@ def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
             if p.name().startswith(ENGINE_CORE)
         ]  # fmt: skip
         assert len(engines) == 1
-        assert {frozenset(os.sched_getaffinity(t.id)) for t in engines[0].threads()} == {
-            frozenset({last})
-        }
+        assert thread_cores(engines[0]) == {frozenset({last})}
         others = [proc.pid, *(p.pid for p in psutil.Process(proc.pid).children(recursive=True))]
         servers = [pid for pid in others if pid != engines[0].pid]
         assert all(os.sched_getaffinity(pid) == os.sched_getaffinity(0) for pid in servers)
@@ -135,3 +145,14 @@ def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
     while (alive := _sessions_alive({proc.pid})) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert alive == []  # vLLM and its engine went down with the launcher
+
+
+def thread_cores(proc: psutil.Process) -> set[frozenset[int]]:
+    """The core sets `proc`'s threads may run on (a thread that ends meanwhile left none)."""
+    found = set()
+    for thread in proc.threads():
+        try:
+            found.add(frozenset(os.sched_getaffinity(thread.id)))
+        except ProcessLookupError:
+            continue
+    return found
