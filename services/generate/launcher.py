@@ -99,8 +99,8 @@ def bound_cores(mask: str | None) -> frozenset[int] | None:
     cores: set[int] = set()
     try:
         for part in mask.split(","):
-            low, _, high = part.partition("-")
-            cores.update(range(int(low), int(high or low) + 1))
+            low, dash, high = part.partition("-")
+            cores.update(range(int(low), int(high if dash else low) + 1))
     except ValueError:
         return None
     return frozenset(cores) or None
