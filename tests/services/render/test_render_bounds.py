@@ -146,3 +146,32 @@ async def test_health_answers_while_a_10_mb_body_is_refused(
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
     print(f"slowest /health during the refusal: {slowest * 1000:.1f} ms")
     assert slowest < 1.0
+
+
+async def test_small_requests_render_inline_and_large_ones_in_a_thread(
+    aiohttp_client: Any, tiny_model: Any
+) -> None:
+    """A body up to `INLINE_BODY` renders on the event loop (the thread hop cost more CPU than
+    such a render); a larger one goes to the executor. Both answer the same way."""
+    from tokenline.services.render import app as render_app
+    from tokenline.services.render.config import RenderConfig
+
+    app = render_app.make_app(RenderConfig(model=str(tiny_model), served_model_names=("tiny",)))
+    client = await aiohttp_client(app)
+    state = app[render_app.STATE]
+    sent: list[Any] = []
+    real = state.executor.submit
+
+    def counted(fn: Any, *args: Any) -> Any:
+        sent.append(fn)
+        return real(fn, *args)
+
+    state.executor.submit = counted  # type: ignore[method-assign]
+    answers = []
+    for pad in (0, render_app.INLINE_BODY):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "user": "x" * pad}
+        resp = await client.post("/v1/chat/completions/render", json=body)
+        assert resp.status == 200
+        answers.append((await resp.json())["token_ids"])
+        assert len(sent) == (1 if pad else 0)
+    assert answers[0] == answers[1] and answers[0]
