@@ -80,8 +80,9 @@ def _pin(mask: str | None) -> Callable[[Process], None]:
 
     cores = bound_cores(mask)
     assert cores is not None  # GenerateConfig checked it
-    if not cores <= os.sched_getaffinity(0):  # checked before vLLM spends minutes loading
-        have = sorted(os.sched_getaffinity(0))
+    allowed = os.sched_getaffinity(0)
+    if not cores <= allowed:  # checked before vLLM spends minutes loading
+        have = sorted(allowed)
         raise SystemExit(f"--cpu-cores {mask}: this process may only run on cores {have}")
 
     def pin(vllm: Process) -> None:

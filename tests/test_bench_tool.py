@@ -511,6 +511,8 @@ def test_split_cores_pins_each_engine_core_and_nothing_else() -> None:
     assert split.front == {0, 1, 2} and split.model == {3}
     with pytest.raises(SystemExit):
         cores.Split.of([5])
+    with pytest.raises(SystemExit):  # the double has no model to keep apart: refused, not ignored
+        pipeline.main(["--split-cores", "--double"])
     here = sorted(os.sched_getaffinity(0))
     assert len(here) >= 2, "this test needs a machine of two cores or more"
     split = cores.Split.of(here)

@@ -225,9 +225,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     answers: dict[str, dict[str, exactness.Answer]] = {}
     for running in _each(lineup_plan.groups, sequential):
-        if split is not None and not args.double:
-            engines = {id(r.server): r.server for r in running}.values()
-            if split.pin_models(engines) < len(list(engines)):
+        if split is not None:
+            engines = list({id(r.server): r.server for r in running}.values())
+            if split.pin_models(engines) < len(engines):
                 raise SystemExit("--split-cores: an engine has no EngineCore process to pin")
         points += measure(running, mix, args)
         if not args.double and not args.no_exactness:
@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.split_cores and args.double:
+        parser.error("--split-cores keeps a model on a core of its own: the double runs none")
     # SIGTERM as an exception, so the servers this run started are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)
