@@ -39,7 +39,8 @@ class RenderState:
     settings: RenderSettings
     tokenize: Callable[[bytes], bytes]
     inline: bool
-    """`chat` and `completion` may run on this thread (threads, not processes, render)."""
+    """`chat` and `completion` may run on this thread (threads, not processes, render, and no
+    request may bring its own chat template)."""
 
 
 STATE = web.AppKey("render_state", RenderState)
@@ -86,7 +87,9 @@ def _start_threads(
     renderer = worker.Renderer(tok, settings)
     pool = ThreadPoolExecutor(config.workers, thread_name_prefix="render")
     tokenize_fn = functools.partial(tokenize.tokenize_body, renderer)
-    return RenderState(pool, renderer.chat, renderer.completion, settings, tokenize_fn, inline=True)
+    # a template sent with a request may loop for as long as it likes: never on the event loop
+    inline = not settings.trust_request_chat_template
+    return RenderState(pool, renderer.chat, renderer.completion, settings, tokenize_fn, inline)
 
 
 async def executor_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -175,3 +175,20 @@ async def test_small_requests_render_inline_and_large_ones_in_a_thread(
         answers.append((await resp.json())["token_ids"])
         assert len(sent) == (1 if pad else 0)
     assert answers[0] == answers[1] and answers[0]
+
+
+async def test_a_service_that_takes_request_templates_never_renders_inline(
+    aiohttp_client: Any, tiny_model: Any
+) -> None:
+    """A template a request brings may run as long as it likes: off the event loop, always."""
+    from tokenline.services.render import app as render_app
+    from tokenline.services.render.config import RenderConfig
+
+    config = RenderConfig(
+        model=str(tiny_model), served_model_names=("tiny",), trust_request_chat_template=True
+    )
+    app = render_app.make_app(config)
+    client = await aiohttp_client(app)
+    assert not app[render_app.STATE].inline
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await client.post("/v1/chat/completions/render", json=body)).status == 200
