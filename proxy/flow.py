@@ -10,6 +10,7 @@ index remapped across prompts and `n`, usage, and the token counts behind the IT
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -276,6 +277,11 @@ class DerenderView:
     """JSON, for JSON transports (sent as it is, never re-encoded)."""
     request: ClientRequest
     """The same, decoded, for binary transports."""
+    lean: bytes
+    """`raw` without the fields at their defaults, for tokenline's derender (the batched
+    transport), which decodes the same struct and so the same defaults: a stream's calls carry
+    a few dozen bytes of the request instead of ~500 (a vLLM derender, whose defaults are its
+    own, always gets `raw`)."""
 
     @classmethod
     def of(
@@ -286,8 +292,24 @@ class DerenderView:
             for name in DERENDER_READS
             if getattr(client, name, msgspec.UNSET) is not msgspec.UNSET  # not sent, not shown
         }
-        raw = msgspec.json.encode({**kind.prompt_stub, **kept, **(prompt or {})})
-        return cls(raw, kind.client_request.decode(raw))
+        head, tail = kind.prompt_stub, prompt or {}
+        raw = msgspec.json.encode({**head, **kept, **tail})
+        defaults = field_defaults(type(client))
+        unusual = {k: v for k, v in kept.items() if k not in defaults or v != defaults[k]}
+        lean = msgspec.json.encode({**head, **unusual, **tail})
+        return cls(raw, kind.client_request.decode(raw), lean)
+
+
+@functools.cache
+def field_defaults(struct: type[msgspec.Struct]) -> dict[str, Any]:
+    """Each field's default value, by name (a field with none is left out)."""
+    out = {}
+    for f in msgspec.structs.fields(struct):
+        if f.default is not msgspec.NODEFAULT:
+            out[f.name] = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            out[f.name] = f.default_factory()
+    return out
 
 
 class StreamCall(msgspec.Struct, frozen=True):
@@ -311,6 +333,8 @@ class StreamCall(msgspec.Struct, frozen=True):
     prompt_token_ids: list[int]
     client_raw: bytes
     client: ClientRequest
+    client_lean: bytes
+    """`client_raw` without the fields at their defaults (`DerenderView.lean`)."""
     urgent: bool = False
     """Goes at once, without waiting for other streams' calls (a batched transport sends what
     it has): the client waits for this call alone (P/D's first token, `proxy/early.py`)."""
@@ -441,6 +465,7 @@ class StreamFlow:
             self.gens[p].token_ids,
             view.raw,
             view.request,
+            view.lean,
             urgent,
         )
 

@@ -244,7 +244,7 @@ class BatchedDerender(HttpDerender):
 
     async def _send(self, batch: list[_Pending]) -> None:
         kind = batch[0].call.kind
-        items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_raw), True)) for p in batch]
+        items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_lean), True)) for p in batch]
         parts = _bodies(batch, items)
         for part, _ in parts:
             self.answering.update(part)

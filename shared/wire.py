@@ -563,7 +563,7 @@ class CompletionChunk(Wire, kw_only=True):
 # --------------------------------------------------------------------------- derender
 
 
-class DerenderStreamState(Wire, kw_only=True):
+class DerenderStreamState(Wire, kw_only=True, omit_defaults=True):
     """Carried by the caller between streaming derender calls; echo it back unchanged.
 
     `prev_tokens`, `prefix_offset`, `read_offset`, `role_sent`, `logprob_context_token_ids` and
@@ -572,6 +572,9 @@ class DerenderStreamState(Wire, kw_only=True):
     tokenline's: the detokenizer window, the stop-string tail, the tokens counted so far, and
     whether a stop string already ended the stream. Everything is bounded: the ID lists here, the
     stop tail by the request's stop strings (derender checks it against the request).
+
+    Sent without the fields at their defaults (every field has one, here and in vLLM's model):
+    the state goes to the proxy and back with every token, and most of it is at its default.
     """
 
     prev_tokens: Annotated[list[str], Meta(max_length=1024)] = []

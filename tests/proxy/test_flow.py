@@ -289,6 +289,30 @@ def test_derender_calls_carry_only_what_derender_reads() -> None:
     assert flow.view.request.prompt == "" and flow.view.request.logprobs == 2
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"logprobs": True, "top_logprobs": 2},
+        {"skip_special_tokens": False, "echo": True, "stop": ["x"], "min_tokens": 3},
+        {"include_reasoning": False, "parallel_tool_calls": False, "add_generation_prompt": False},
+    ],
+)
+def test_lean_view_decodes_to_the_same_request(extra: dict[str, object]) -> None:
+    """The batched transport's view leaves out what is at its default, and tokenline's
+    derender (the same struct) reads it back as the full view: nothing the client set is lost."""
+    body = msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], **extra})
+    flow = StreamFlow(CHAT, CHAT_REQUEST.decode(body), Rendered.of([gen()], "n"))
+    call = flow.call(0, chunk(0, [1]))
+    assert call is not None
+    assert CHAT_REQUEST.decode(call.client_lean) == CHAT_REQUEST.decode(call.client_raw)
+    assert len(call.client_lean) < len(call.client_raw)
+    for name, value in extra.items():  # each set field, default or not, reads back as set
+        assert getattr(CHAT_REQUEST.decode(call.client_lean), name) == value, name
+    lean = msgspec.json.decode(call.client_lean)
+    assert "spaces_between_special_tokens" not in lean  # at its default: left out
+
+
 def test_derender_reads_no_client_field_the_view_leaves_out() -> None:
     """Every attribute derender's code reads off a client `request` is in DERENDER_READS."""
     root = Path(__file__).resolve().parents[2] / "services" / "derender"

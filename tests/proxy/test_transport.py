@@ -53,7 +53,7 @@ def call(token: int, raw: bytes = RAW) -> StreamCall:
     chunk = GenerateStreamChunk(
         request_id="e", choices=[GenerateStreamChoice(index=0, token_ids=[token])]
     )
-    return StreamCall(CHAT, "tiny", chunk, None, [1, 2], raw, CHAT_REQUEST.decode(RAW))
+    return StreamCall(CHAT, "tiny", chunk, None, [1, 2], raw, CHAT_REQUEST.decode(RAW), raw)
 
 
 def big_call(token: int, size: int) -> StreamCall:

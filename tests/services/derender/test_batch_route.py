@@ -168,7 +168,7 @@ async def test_stopping_lets_the_batches_in_flight_be_answered_first() -> None:
 def _stream_text(tok: ModelTokenizer, ids: list[int], state: dict[str, Any]) -> tuple[str, Any]:
     req = DERENDER_CHAT.decode(JSON.encode(_item(ids, state)))
     out = derender(CHAT, req, tok, SETTINGS)
-    return out.chunk.choices[0].delta.content, msgspec.to_builtins(out.stream_state)
+    return out.chunk.choices[0].delta.content, out.stream_state
 
 
 def test_stop_tail_without_stop_strings_as_the_checker_leaves_it(
@@ -179,9 +179,9 @@ def test_stop_tail_without_stop_strings_as_the_checker_leaves_it(
     ids = tiny_tok.encode(" world", add_special_tokens=False)
     base = {"role_sent": True, "detok_ids": [], "detok_prefix": 0}
     text, state = _stream_text(tiny_tok, ids, base | {"stop_tail": "abc", "unsent_chars": 2})
-    assert (text, state["stop_tail"], state["unsent_chars"]) == ("bc world", "", 0)
+    assert (text, state.stop_tail, state.unsent_chars) == ("bc world", "", 0)
     text, state = _stream_text(tiny_tok, ids, base | {"stop_tail": "abc", "unsent_chars": 0})
-    assert (text, state["stop_tail"], state["unsent_chars"]) == (" world", "", 0)
+    assert (text, state.stop_tail, state.unsent_chars) == (" world", "", 0)
 
 
 async def test_a_batch_of_valid_items_answers_as_single_calls(

@@ -161,10 +161,11 @@ def _streamed(kind: Kind, g: dict[str, Any], tok: ModelTokenizer) -> tuple[str, 
             kind.request_field: _client(kind, g),
         }
         out = derender(kind, kind.derender_json.decode(JSON.encode(body)), tok, SETTINGS)
-        state = msgspec.to_builtins(_check_bounds(out.stream_state, g))
+        checked = _check_bounds(out.stream_state, g)
+        state = msgspec.to_builtins(checked)
         text += "".join(_choice_text(kind, c) for c in out.chunk.choices)
     assert state is not None
-    return text, state["completion_tokens"]
+    return text, checked.completion_tokens
 
 
 def _tok(which: str, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer) -> ModelTokenizer:
