@@ -10,7 +10,6 @@ import json
 from typing import Any
 
 import aiohttp
-import msgspec
 import pytest
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestClient, TestServer
