@@ -17,27 +17,21 @@ import argparse
 import asyncio
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from tokenline.launch import servers
 from tokenline.launch.bench import cpu
+from tokenline.launch.bench.metrics import scrape, total
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
 
 def batch_items(url: str) -> tuple[float, float]:
     """The proxy's derender batches so far: (items, batches)."""
-    with urllib.request.urlopen(url + "/metrics") as resp:
-        text = resp.read().decode()
-    found = dict.fromkeys(("sum", "count"), 0.0)
-    for line in text.splitlines():
-        for part in found:
-            if line.startswith(f"tokenline_proxy_derender_batch_items_{part} "):
-                found[part] = float(line.split()[1])
-    return found["sum"], found["count"]
+    page, name = scrape(url), "tokenline_proxy_derender_batch_items"
+    return total(page, name + "_sum"), total(page, name + "_count")
 
 
 async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: bool) -> int:

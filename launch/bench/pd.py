@@ -28,87 +28,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from tokenline.launch import servers
+from tokenline.launch.bench.metrics import Delta, Watched
 from tokenline.launch.bench.pipeline import OpenAITarget, Point, Spec, closed_loop, request_mix
 from tokenline.launch.models.build import build
 from tokenline.services.generate.launcher import GenerateConfig, Role
 
-Metrics = dict[str, float]
 HOP = "tokenline_proxy_hop_seconds"
 TTFT = "vllm:time_to_first_token_seconds"
 QUEUED = "vllm:request_queue_time_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
 XFER = "vllm:nixl_xfer_time_seconds"
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def scrape(url: str) -> Metrics:
-    """Every sample of `url`/metrics, keyed `name{labels}` (labels as printed)."""
-    from tokenline.launch.bench.http import get
-
-    _, raw = get(url + "/metrics")
-    out: Metrics = {}
-    for line in raw.decode().splitlines():
-        if m := SAMPLE.match(line):
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def total(metrics: Metrics, name: str, label: str = "") -> float:
-    """The sum of every sample of `name` whose labels contain `label`."""
-    return sum(
-        v
-        for k, v in metrics.items()
-        if (k == name or k.startswith(name + "{")) and label in k.partition("{")[2]
-    )
-
-
-@dataclass
-class Delta:
-    """Metrics of one process over a window."""
-
-    before: Metrics
-    after: Metrics
-
-    def of(self, name: str, label: str = "") -> float:
-        return total(self.after, name, label) - total(self.before, name, label)
-
-    def mean_ms(self, histogram: str, label: str = "") -> float:
-        """Mean of a histogram's observations in the window, in ms (0 with none)."""
-        count = self.of(histogram + "_count", label)
-        return 1000 * self.of(histogram + "_sum", label) / count if count else 0.0
-
-
-@dataclass
-class Watched:
-    """Processes whose metrics a window reads."""
-
-    urls: dict[str, str]
-
-    def snapshot(self) -> dict[str, Metrics]:
-        return {name: scrape(url) for name, url in self.urls.items()}
-
-    @contextmanager
-    def window(self) -> Iterator[dict[str, Delta]]:
-        """Deltas of every process over the `with` body (filled in on exit)."""
-        before = self.snapshot()
-        deltas: dict[str, Delta] = {}
-        yield deltas
-        after = self.snapshot()
-        deltas.update({n: Delta(before[n], after[n]) for n in self.urls})
 
 
 # --------------------------------------------------------------------------- setups

@@ -18,90 +18,46 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import urllib.request
-from collections.abc import Mapping
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokenline.launch import servers
 from tokenline.launch.bench import cores, lineup, load
+from tokenline.launch.bench.metrics import Delta, Watched
 from tokenline.launch.models.build import build
 
-Sums = dict[tuple[str, frozenset[tuple[str, str]]], float]
-"""Each histogram's `_sum` and `_count` samples, by name and labels."""
 
-
-def histogram_sums(text: str) -> Sums:
-    """The `_sum` and `_count` samples of every histogram in a Prometheus text page."""
-    out: Sums = {}
-    for family in text_string_to_metric_families(text):
-        if family.type != "histogram":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
-                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return out
-
-
-def mean_between(
-    before: Sums, after: Sums, name: str, labels: Mapping[str, str] | None = None
-) -> float | None:
-    """Mean of histogram `name` (summed over the series matching `labels`) over what was
-    observed between the two pages; None when nothing was."""
-    wanted = set((labels or {}).items())
-
-    def total(page: Sums, suffix: str) -> float:
-        return sum(v for (n, ls), v in page.items() if n == name + suffix and wanted <= set(ls))
-
-    count = total(after, "_count") - total(before, "_count")
-    if count <= 0:
-        return None
-    return (total(after, "_sum") - total(before, "_sum")) / count
-
-
-def _page(url: str) -> Sums:
-    with urllib.request.urlopen(url + "/metrics") as resp:
-        return histogram_sums(resp.read().decode())
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.1f} ms"
+def _ms(delta: Delta, histogram: str, label: str = "") -> str:
+    mean = delta.mean(histogram, label)
+    return "-" if mean is None else f"{mean * 1000:.1f} ms"
 
 
 def _turn(
     running: lineup.Running,
-    proxy: str,
-    engine: str,
+    watched: Watched,
     mix: list[load.Spec],
     args: argparse.Namespace,
     first: int,
 ) -> int:
     ours = running.target.name == "tokenline"
-    p0, v0 = (_page(proxy) if ours else {}), _page(engine)
-    point = asyncio.run(
-        load.closed_loop(
-            running.target, mix, args.concurrency, args.seconds, running.target.name, first
+    with watched.window() as deltas:
+        point = asyncio.run(
+            load.closed_loop(
+                running.target, mix, args.concurrency, args.seconds, running.target.name, first
+            )
         )
-    )
-    p1, v1 = (_page(proxy) if ours else {}), _page(engine)
-    summary = point.summary()
-    steps = mean_between(v0, v1, "vllm:iteration_tokens_total")
+    summary, engine, proxy = point.summary(), deltas["engine"], deltas["proxy"]
+    steps = engine.mean("vllm:iteration_tokens_total")
     parts = [
         f"{running.target.name:>9}",
         f"{summary['output_tokens_per_s']:6.0f} tokens/s",
         f"TTFT p50 {summary['ttft_p50_ms']:5.1f} ms",
         "tokens per step " + ("-" if steps is None else f"{steps:5.2f}"),
-        "vLLM TTFT " + _ms(mean_between(v0, v1, "vllm:time_to_first_token_seconds")),
-        "queued " + _ms(mean_between(v0, v1, "vllm:request_queue_time_seconds")),
+        "vLLM TTFT " + _ms(engine, "vllm:time_to_first_token_seconds"),
+        "queued " + _ms(engine, "vllm:request_queue_time_seconds"),
     ]
     if ours:
-        parts.append(
-            "proxy TTFT " + _ms(mean_between(p0, p1, "tokenline_proxy_time_to_first_token_seconds"))
-        )
+        parts.append("proxy TTFT " + _ms(proxy, "tokenline_proxy_time_to_first_token_seconds"))
         for hop in ("render", "derender"):
-            parts.append(
-                f"{hop} " + _ms(mean_between(p0, p1, "tokenline_proxy_hop_seconds", {"hop": hop}))
-            )
+            parts.append(f"{hop} " + _ms(proxy, "tokenline_proxy_hop_seconds", f'hop="{hop}"'))
     print(" | ".join(parts), flush=True)
     return first + len(point.samples)
 
@@ -122,13 +78,13 @@ def main() -> None:
         if split is not None and split.pin_models([ours.server]) < 1:
             raise SystemExit("--split-cores: the engine has no EngineCore process to pin")
         assert ours.server is not None
-        proxy, engine = ours.front[0].url, ours.server.url
+        watched = Watched({"proxy": ours.front[0].url, "engine": ours.server.url})
         for target in (ours, alone):  # a warm-up turn each, not printed
             asyncio.run(load.closed_loop(target.target, mix, args.concurrency, 3.0, "warm-up"))
         first = 0
         for _ in range(args.turns):
             for running in (ours, alone):
-                first = _turn(running, proxy, engine, mix, args, first)
+                first = _turn(running, watched, mix, args, first)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""`launch/bench/steps.py`'s reading of Prometheus pages (the bench itself needs vLLM and runs
-by hand, as the other benches do)."""
+"""`launch/bench/metrics.py`: what the benchmarks read of Prometheus pages (`steps.py`, `pd.py`
+and `hop.py` need vLLM or a whole stack and run by hand)."""
 
 from __future__ import annotations
 
-from tokenline.launch.bench.steps import histogram_sums, mean_between
+from tokenline.launch.bench.metrics import Delta, samples, total
 
 BEFORE = """# HELP vllm:iteration_tokens_total Number of tokens per engine_step.
 # TYPE vllm:iteration_tokens_total histogram
@@ -33,10 +33,14 @@ AFTER = (
 
 
 def test_a_histograms_mean_over_what_came_between_two_pages() -> None:
-    before, after = histogram_sums(BEFORE), histogram_sums(AFTER)
-    assert mean_between(before, after, "vllm:iteration_tokens_total") == 27.0  # 270 / 10
-    assert mean_between(before, after, "tokenline_proxy_hop_seconds", {"hop": "render"}) == 0.25
-    # nothing observed between the pages: no mean, not a zero
-    assert mean_between(before, after, "tokenline_proxy_hop_seconds", {"hop": "derender"}) is None
-    assert mean_between(before, after, "vllm:no_such_histogram") is None
-    assert not any(name.startswith("vllm:num_requests") for name, _ in before)  # gauges: none
+    window = Delta(samples(BEFORE), samples(AFTER))
+    assert window.mean("vllm:iteration_tokens_total") == 27.0  # 270 / 10
+    assert window.mean("tokenline_proxy_hop_seconds", 'hop="render"') == 0.25
+    assert window.mean_ms("tokenline_proxy_hop_seconds", 'hop="render"') == 250.0
+    # nothing observed between the pages: no mean, not a zero (in ms: 0, as pd.py prints it)
+    assert window.mean("tokenline_proxy_hop_seconds", 'hop="derender"') is None
+    assert window.mean_ms("tokenline_proxy_hop_seconds", 'hop="derender"') == 0.0
+    assert window.mean("vllm:no_such_histogram") is None
+    assert window.mean("vllm:num_requests_running") is None  # a gauge has no mean
+    # a series is summed over the labels asked for, every one when none are
+    assert total(samples(AFTER), "tokenline_proxy_hop_seconds_count") == 46.0
