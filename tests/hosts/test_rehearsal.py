@@ -51,6 +51,8 @@ class Report:
     identical: int = 0
     errored: int = 0
     errors: list[str] = field(default_factory=list)
+    # content chunks each stream (by index) has received so far
+    received: dict[int, int] = field(default_factory=dict)
 
     def show(self, scenario: str) -> str:
         line = (
@@ -61,8 +63,15 @@ class Report:
         return line
 
 
-async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int = SHORT) -> str:
-    """One greedy stream's text and usage; an HTTP or in-band error raises."""
+async def stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    i: int,
+    max_tokens: int = SHORT,
+    received: dict[int, int] | None = None,
+) -> str:
+    """One greedy stream's text and usage, counting its content chunks in `received[i]`; an
+    HTTP or in-band error raises."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     reasoning: list[str] = []
     text: list[str] = []
@@ -80,6 +89,8 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: i
             for c in chunk["choices"]:  # reasoning (with parsers) and content
                 reasoning += [c["delta"].get("reasoning") or ""]
                 text += [c["delta"].get("content") or ""]
+            if received is not None and chunk["choices"]:
+                received[i] = received.get(i, 0) + 1
             usage = chunk.get("usage") or usage
     return json.dumps({"reasoning": "".join(reasoning), "text": "".join(text), "usage": usage})
 
@@ -90,16 +101,18 @@ async def workload(
     fault: Callable[[], Awaitable[None]] | None = None,
     spacing: float = 0.05,
     max_tokens: int = SHORT,
+    report: Report | None = None,
 ) -> Report:
-    """`count` streams started `spacing` s apart, `fault` run once a third have started."""
-    report = Report()
+    """`count` streams started `spacing` s apart, `fault` run once a third have started (and
+    before the rest start), reported in `report` (a new one by default) as they go."""
+    report = report or Report()
     timeout = aiohttp.ClientTimeout(total=180)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         async def one(i: int) -> None:
             report.started += 1
             try:
-                text = await stream(session, r.proxy.url, i, max_tokens)
+                text = await stream(session, r.proxy.url, i, max_tokens, report.received)
             except Exception as exc:  # a failed stream is a data point, not a test error
                 report.errored += 1
                 report.errors.append(repr(exc)[:300])
@@ -254,29 +267,24 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     victim = rehearsal.processes["generate-decode-0"]
     before = proxy_metric(rehearsal, "tokenline_proxy_migrations_total")
 
-    def progress() -> tuple[float, float]:
-        return (
-            engine_metric(victim, "vllm:num_requests_running"),
-            engine_metric(victim, "vllm:generation_tokens_total"),
-        )
-
-    generated = progress()[1]
-
     busy: list[bool] = []
+    report = Report()
 
     async def kill() -> None:
-        # once streams run on the victim and have sent output (else they rerun, not migrate):
-        # 120 tokens, of a 400-token stream or two, so that a proxy lagging under the suite's
-        # load (40 were once not yet derendered: a rerun, no migration) has sent some of them
+        # once a stream runs on the victim and has sent output (else it reruns, not migrates):
+        # every stream started so far has reached its client and none has ended, so whichever
+        # runs on the victim has (the rest start after the kill). The engine's own token count
+        # is not enough: a proxy lagging under the suite's load had once sent none of them
         for _ in range(400):
-            running, done = await asyncio.to_thread(progress)
-            if running >= 1 and done > generated + 120:
+            running = await asyncio.to_thread(engine_metric, victim, "vllm:num_requests_running")
+            shown = [report.received.get(i, 0) for i in range(report.started)]
+            if running >= 1 and min(shown, default=0) >= 5 and report.completed == 0:
                 busy.append(True)
                 break
             await asyncio.sleep(0.05)
         victim.stop(signal.SIGKILL)
 
-    report = await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG)
+    await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG, report=report)
     report.show("SIGKILL of generate-decode-0")
     assert (report.completed, report.identical, report.errored) == (6, 6, 0), report.errors
     assert busy, "no stream had run on the victim for 20 s: the kill proved nothing"
