@@ -50,6 +50,18 @@ def test_mix_is_seeded_and_varied() -> None:
     assert all(s.kind == "chat" and s.body["top_logprobs"] == 2 for s in chats)
 
 
+def test_mix_at_one_output_length_is_the_same_mix() -> None:
+    """`--max-tokens`: every request asks for that many tokens, and nothing else moves (the
+    prompts, kinds and seeds are the mix's own), so two runs differ only in output length."""
+    mix, fixed = request_mix(32), request_mix(32, max_tokens=7)
+    assert {s.body["max_tokens"] for s in fixed} == {7}
+    unfixed = [{**s.body, "max_tokens": 7} for s in mix]
+    assert [s.body for s in fixed] == unfixed
+    assert [s.kind for s in fixed] == [s.kind for s in mix]
+    with pytest.raises(SystemExit):  # no request asks for nothing
+        pipeline.main(["--max-tokens", "0"])
+
+
 async def test_double_speaks_generate_and_the_loop_counts() -> None:
     server = TestServer(double.make_app(vocab=4096, tokens_per_second=0))
     await server.start_server()
@@ -146,6 +158,11 @@ def test_report_files(tmp_path: Path) -> None:
         "exactness": {"cases": cases},
     }
     text = markdown(result)
+    assert "asking for 16, 64 or 128 tokens" not in text  # no mix recorded, none described
+    mixed = markdown({**result, "chat_share": 1, "logprobs_share": 1, "max_tokens": None})
+    assert "100% with top-2 logprobs, asking for 16, 64 or 128 tokens." in mixed
+    fixed = markdown({**result, "chat_share": 1, "logprobs_share": 1, "max_tokens": 16})
+    assert "100% with top-2 logprobs, every one asking for 16 tokens." in fixed
     assert "tokenline/monolithic: output tokens/s 0.80x" in text
     assert "tokenline/engine: output tokens/s 0.50x" in text
     assert "tokenline/gateway: output tokens/s 1.25x" in text

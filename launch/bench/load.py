@@ -29,18 +29,28 @@ class Spec:
     body: dict[str, Any]
 
 
+OUTPUT_LENGTHS = (16, 64, 128)
+
+
 def request_mix(
-    n: int, seed: int = 0, chat_share: float = 0.7, logprobs_share: float = 0.5
+    n: int,
+    seed: int = 0,
+    chat_share: float = 0.7,
+    logprobs_share: float = 0.5,
+    max_tokens: int | None = None,
 ) -> list[Spec]:
     """`n` seeded requests: chat with probability `chat_share` (else completions), top-2
-    logprobs with probability `logprobs_share`."""
+    logprobs with probability `logprobs_share`, each asking for one of `OUTPUT_LENGTHS` tokens
+    (or for `max_tokens`, every one: the same mix otherwise, so that runs at two lengths tell
+    what a request costs from what a token costs)."""
     rng = random.Random(seed)
     specs = []
     for i in range(n):
         text = " ".join(rng.choice(TEXTS) for _ in range(rng.choice([1, 2, 4, 8])))
+        length = rng.choice(OUTPUT_LENGTHS)
         common: dict[str, Any] = {
             "model": "tiny",
-            "max_tokens": rng.choice([16, 64, 128]),
+            "max_tokens": length if max_tokens is None else max_tokens,
             "temperature": 0.8,
             "seed": i,
             "ignore_eos": True,

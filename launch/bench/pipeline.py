@@ -216,7 +216,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = (
         Path(args.model) if args.model else build("tiny", servers.build_dir() / "models" / "tiny")
     )
-    mix = request_mix(args.requests, chat_share=args.chat_share, logprobs_share=args.logprobs_share)
+    mix = request_mix(
+        args.requests,
+        chat_share=args.chat_share,
+        logprobs_share=args.logprobs_share,
+        max_tokens=args.max_tokens,
+    )
     lineup_plan = plan(args, model, mix)
     sequential = one_at_a_time(args.sequential, lineup_plan.engines, available_gib())
     split = cores.Split.of(os.sched_getaffinity(0)) if args.split_cores else None
@@ -240,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests_in_mix": len(mix),
         "chat_share": args.chat_share,
         "logprobs_share": args.logprobs_share,
+        "max_tokens": args.max_tokens,
         "sequential": sequential,
         "cores": split.to_json() if split is not None else None,
         "skipped": lineup_plan.skipped,
@@ -277,6 +283,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--logprobs-share", type=float, default=0.5, help="share of requests with top-2 logprobs"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="every request's output length (default: 16, 64 or 128, seeded); runs at two "
+        "lengths split CPU per token into a cost per request and one per token",
     )
     parser.add_argument(
         "--double",
@@ -317,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        parser.error("--max-tokens must be at least 1")
     if args.split_cores and args.double:
         parser.error("--split-cores keeps a model on a core of its own: the double runs none")
     # SIGTERM as an exception, so the servers this run started are stopped on the way out

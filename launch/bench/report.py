@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenline.launch.bench import exactness
+from tokenline.launch.bench.load import OUTPUT_LENGTHS
 
 REFERENCE = "monolithic"
 ORDER = ("tokenline", "gateway", "monolithic", "engine")
@@ -134,7 +135,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             f"Mix: {result['requests_in_mix']} seeded streaming requests, "
             f"{result['chat_share']:.0%} chat, {result['logprobs_share']:.0%} with top-2 "
-            "logprobs.",
+            f"logprobs, {_lengths(result.get('max_tokens'))}.",
             "",
         ]
     if split := result.get("cores"):
@@ -239,3 +240,13 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
     ]
     written.append(_cpu_plot(result, out))
     return written
+
+
+def _lengths(max_tokens: int | None) -> str:
+    if max_tokens is None:
+        return (
+            "asking for "
+            + ", ".join(map(str, OUTPUT_LENGTHS[:-1]))
+            + f" or {OUTPUT_LENGTHS[-1]} tokens"
+        )
+    return f"every one asking for {max_tokens} tokens"
