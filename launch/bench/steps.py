@@ -4,10 +4,12 @@ first token: tokenline against the engine alone, in alternated turns on one engi
 With the model on a core of its own (`--split-cores`, the default here) that core is saturated,
 so tokens/s is 1 / (the model's CPU per token), and that falls with the tokens each engine step
 carries. Per turn this prints, from vLLM's `/metrics` (and the proxy's, for tokenline's turns):
-tokens per engine step (`vllm:iteration_tokens_total`), vLLM's own TTFT (its arrival to its
-first token) and queue time, and the proxy's TTFT with its render and derender hops' mean
-latency. Stop 28 found tokenline's steps ~8% emptier than the engine alone's, because vLLM's
-server, sharing a core with tokenline's services, took 40-51 ms to a first token against 25-26.
+tokens per engine step (`vllm:iteration_tokens_total`), vLLM's own TTFT (its server's arrival
+to its first token) with the queue time and prefill time inside it (the engine's: scheduled to
+first token), and the proxy's TTFT with its render and derender hops' mean latency. Stop 28
+found tokenline's steps ~8% emptier than the engine alone's, and vLLM's TTFT for tokenline's
+requests twice the engine alone's; stop 29 found the same with vLLM's servers at nice -10, so
+it is not their share of the shared core.
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.steps \\
         [--turns 3] [--seconds 15] [--concurrency 16] [--no-split-cores]
@@ -53,6 +55,7 @@ def _turn(
         "tokens per step " + ("-" if steps is None else f"{steps:5.2f}"),
         "vLLM TTFT " + _ms(engine, "vllm:time_to_first_token_seconds"),
         "queued " + _ms(engine, "vllm:request_queue_time_seconds"),
+        "prefill " + _ms(engine, "vllm:request_prefill_time_seconds"),
     ]
     if ours:
         parts.append("proxy TTFT " + _ms(proxy, "tokenline_proxy_time_to_first_token_seconds"))
