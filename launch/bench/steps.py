@@ -8,8 +8,9 @@ tokens per engine step (`vllm:iteration_tokens_total`), vLLM's own TTFT (its ser
 to its first token) with the queue time and prefill time inside it (the engine's: scheduled to
 first token), and the proxy's TTFT with its render and derender hops' mean latency. Stop 28
 found tokenline's steps ~8% emptier than the engine alone's, and vLLM's TTFT for tokenline's
-requests twice the engine alone's; stop 29 found the same with vLLM's servers at nice -10, so
-it is not their share of the shared core.
+requests twice the engine alone's; stop 29 found the same with vLLM's servers at nice -10,
+and the engine alone's as slow with a synthetic bursty load on the front core: the front
+core's load, not tokenline's requests, and not vLLM's share of that core's CPU.
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.steps \\
         [--turns 3] [--seconds 15] [--concurrency 16] [--no-split-cores]
