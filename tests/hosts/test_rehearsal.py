@@ -27,7 +27,12 @@ from tokenline.launch.process import Process
 
 KV_MOVED = ("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
 BASELINE: dict[tuple[int, int], str] = {}
-SHORT, LONG = 48, 400
+SHORT = 48
+LONG = 1500
+"""The migration test's streams: ~4 s each at the tiny engine's ~400 tokens/s (prompt + output
+within its 2,048), so that between every started stream showing output and the first one
+ending there is time for many polls of the victim's metrics (at 400 tokens that window was
+~1 s, and a CI run missed it)."""
 
 
 def body(i: int, max_tokens: int = SHORT) -> dict[str, Any]:
