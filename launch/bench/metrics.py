@@ -8,6 +8,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+# the series the benchmarks read (vLLM's histograms, and the proxy's per-hop latency)
+HOP = "tokenline_proxy_hop_seconds"
+TTFT = "vllm:time_to_first_token_seconds"
+QUEUED = "vllm:request_queue_time_seconds"
+PREFILL = "vllm:request_prefill_time_seconds"
+XFER = "vllm:nixl_xfer_time_seconds"
+STEP_TOKENS = "vllm:iteration_tokens_total"
+
 Metrics = dict[str, float]
 """Every sample of a page, keyed `name{labels}` (labels as printed)."""
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")

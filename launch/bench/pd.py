@@ -37,17 +37,10 @@ from pathlib import Path
 import aiohttp
 
 from tokenline.launch import servers
-from tokenline.launch.bench.metrics import Delta, Watched
+from tokenline.launch.bench.metrics import HOP, PREFILL, QUEUED, TTFT, XFER, Delta, Watched
 from tokenline.launch.bench.pipeline import OpenAITarget, Point, Spec, closed_loop, request_mix
 from tokenline.launch.models.build import build
 from tokenline.services.generate.launcher import GenerateConfig, Role
-
-HOP = "tokenline_proxy_hop_seconds"
-TTFT = "vllm:time_to_first_token_seconds"
-QUEUED = "vllm:request_queue_time_seconds"
-PREFILL = "vllm:request_prefill_time_seconds"
-XFER = "vllm:nixl_xfer_time_seconds"
-
 
 # --------------------------------------------------------------------------- setups
 

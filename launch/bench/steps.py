@@ -24,7 +24,15 @@ import os
 
 from tokenline.launch import servers
 from tokenline.launch.bench import cores, lineup, load
-from tokenline.launch.bench.metrics import Delta, Watched
+from tokenline.launch.bench.metrics import (
+    HOP,
+    PREFILL,
+    QUEUED,
+    STEP_TOKENS,
+    TTFT,
+    Delta,
+    Watched,
+)
 from tokenline.launch.models.build import build
 
 
@@ -48,20 +56,20 @@ def _turn(
             )
         )
     summary, engine, proxy = point.summary(), deltas["engine"], deltas["proxy"]
-    steps = engine.mean("vllm:iteration_tokens_total")
+    steps = engine.mean(STEP_TOKENS)
     parts = [
         f"{running.target.name:>9}",
         f"{summary['output_tokens_per_s']:6.0f} tokens/s",
         f"TTFT p50 {summary['ttft_p50_ms']:5.1f} ms",
         "tokens per step " + ("-" if steps is None else f"{steps:5.2f}"),
-        "vLLM TTFT " + _ms(engine, "vllm:time_to_first_token_seconds"),
-        "queued " + _ms(engine, "vllm:request_queue_time_seconds"),
-        "prefill " + _ms(engine, "vllm:request_prefill_time_seconds"),
+        "vLLM TTFT " + _ms(engine, TTFT),
+        "queued " + _ms(engine, QUEUED),
+        "prefill " + _ms(engine, PREFILL),
     ]
     if ours:
         parts.append("proxy TTFT " + _ms(proxy, "tokenline_proxy_time_to_first_token_seconds"))
         for hop in ("render", "derender"):
-            parts.append(f"{hop} " + _ms(proxy, "tokenline_proxy_hop_seconds", f'hop="{hop}"'))
+            parts.append(f"{hop} " + _ms(proxy, HOP, f'hop="{hop}"'))
     print(" | ".join(parts), flush=True)
     return first + len(point.samples)
 
