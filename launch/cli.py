@@ -22,9 +22,11 @@ GENERATE_START_S = 600.0  # vLLM on a busy CPU can take minutes to load and warm
 def _render(args: argparse.Namespace, extra: list[str]) -> int:
     from tokenline.services.render.app import make_app
     from tokenline.services.render.config import from_args
+    from tokenline.shared.cpu import set_cpu_policy
     from tokenline.shared.http import run
 
     config = from_args(args)
+    set_cpu_policy(config.cpu_policy)
     run(make_app(config), config.host, config.port)
     return 0
 
@@ -34,9 +36,11 @@ def _derender(args: argparse.Namespace, extra: list[str]) -> int:
 
     from tokenline.services.derender.app import make_app
     from tokenline.services.derender.config import from_args
+    from tokenline.shared.cpu import set_cpu_policy
     from tokenline.shared.http import run_processes
 
     config = from_args(args)
+    set_cpu_policy(config.cpu_policy)  # its server processes inherit it
     run_processes(functools.partial(make_app, config), config.host, config.port, config.workers)
     return 0
 
@@ -47,9 +51,11 @@ def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
 
     from tokenline.proxy.app import serve
     from tokenline.proxy.config import from_args
+    from tokenline.shared.cpu import set_cpu_policy
     from tokenline.shared.http import new_loop
 
     config = from_args(args)
+    set_cpu_policy(config.cpu_policy)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     with asyncio.Runner(loop_factory=new_loop) as runner:
         runner.run(serve(config))  # its own signal handling: SIGTERM drains (proxy/app.py)

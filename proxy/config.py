@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from tokenline.shared.config import CommandLine, NonNegative, Option, Port, Positive, Seconds
+from tokenline.shared.cpu import CpuPolicy
 
 Urls = Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
 REPLICAS = "replica URLs; a hostname with several addresses is several replicas"
@@ -27,6 +28,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Address to listen on."""
     port: Port = 8000
     """Port to listen on."""
+    cpu_policy: CpuPolicy = "batch"
+    """How the kernel schedules the proxy: batch (Linux SCHED_BATCH: its wake-ups never
+    preempt a running process, such as vLLM's API server on a shared core) or normal
+    (`shared/cpu.py`)."""
     generate_tokens_only: bool = False
     """The generate pools run vLLM with `--tokens-only` (no tokenizer): requests that need one
     (structured outputs, bad_words) are refused with a 400 before any engine work."""

@@ -1,4 +1,5 @@
-"""What render and derender share: the model they serve, under which names, on which port."""
+"""What render and derender share: the model they serve, under which names, on which port, and
+how the kernel schedules them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from tokenline.shared.config import Option, Port, Positive
+from tokenline.shared.cpu import CpuPolicy
 from tokenline.shared.errors import NotFound
 from tokenline.shared.http import json_response
 from tokenline.shared.metrics import ServiceMetrics
@@ -28,6 +30,10 @@ class ModelService(msgspec.Struct, frozen=True, kw_only=True):
     """Address to listen on."""
     port: Port = 0
     """Port to listen on."""
+    cpu_policy: CpuPolicy = "batch"
+    """How the kernel schedules the service: batch (Linux SCHED_BATCH: its wake-ups never
+    preempt a running process, such as vLLM's API server on a shared core) or normal
+    (`shared/cpu.py`)."""
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -41,6 +41,18 @@ def _sessions_alive(sids: set[int]) -> list[int]:
     return alive
 
 
+def _policies(sid: int) -> set[int]:
+    """The scheduling policies of every thread of every process in session `sid`."""
+    found = set()
+    for pid in _sessions_alive({sid}):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                found.add(os.sched_getscheduler(int(task.name)))
+            except OSError:  # a thread that ended meanwhile
+                continue
+    return found
+
+
 class Up:
     """`tokenline up ARGS` as a child, its output collected line by line."""
 
@@ -127,6 +139,12 @@ def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text and chunks[-1].usage is not None
         assert chunks[-1].usage.completion_tokens == 12
+        # the front end runs under SCHED_BATCH (`shared/cpu.py`), every thread and worker
+        # process of it; vLLM's processes are left as they are
+        for name in ("proxy", "render-0", "render-1", "derender-0", "derender-1"):
+            assert _policies(up.pid(name)) == {os.SCHED_BATCH}, name
+        for name in ("generate-prefill-0", "generate-decode-0"):
+            assert _policies(up.pid(name)) == {os.SCHED_OTHER}, name
     finally:
         code = up.stop()
     output = up.output

@@ -202,12 +202,15 @@ SERVICES = {
     ),
 }
 FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users already use
-    "render": "--model --served-model-name --max-model-len --host --port --executor --workers "
+    "render": "--model --served-model-name --max-model-len --host --port --cpu-policy "
+    "--executor --workers "
     "--chat-template --trust-request-chat-template --max-stops --max-stop-chars --max-choices "
     "--max-logprob-entries --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
-    "derender": "--model --served-model-name --max-model-len --host --port --workers --threads "
+    "derender": "--model --served-model-name --max-model-len --host --port --cpu-policy "
+    "--workers --threads "
     "--zmq-port --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
-    "proxy": "--render --derender --prefill --decode --host --port --generate-tokens-only "
+    "proxy": "--render --derender --prefill --decode --host --port --cpu-policy "
+    "--generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
     "--health-interval --max-in-flight --max-queued "
@@ -253,6 +256,7 @@ def test_service_fields_are_all_exposed_or_excluded(name: str) -> None:
         ("derender", ["--workers", "0"]),
         ("derender", ["--threads", "0"]),
         ("derender", ["--zmq-port", "65536"]),
+        ("derender", ["--cpu-policy", "fifo"]),
         ("render", ["--tool-call-parser", "nope"]),
         ("derender", ["--reasoning-parser", "nope"]),
         ("proxy", ["--health-interval", "0"]),
