@@ -14,7 +14,7 @@ import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgspec
 
@@ -24,12 +24,14 @@ from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     CHUNK_HEAD,
     GENERATE_CHUNK,
+    GENERATE_CHUNK_HEAD,
     STATE_COUNTS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionChunk,
     CompletionRequest,
     DerenderStreamState,
+    GenerateChunkHead,
     GenerateLogProbs,
     GenerateRequest,
     GenerateResponse,
@@ -45,6 +47,8 @@ ClientRequest = ChatCompletionRequest | CompletionRequest
 ClientChunk = ChatCompletionChunk | CompletionChunk
 
 
+ReadChunk: TypeAlias = GenerateStreamChunk | GenerateChunkHead
+"""A generate chunk as the proxy read it: whole, or only what it needs of it (`passable`)."""
 StreamAnswer = Any
 """`RawStreamAnswer`, or a decoded `DerenderChatStreamResponse` /
 `DerenderCompletionStreamResponse` (binary transports)."""
@@ -235,6 +239,20 @@ def generate_chunk(payload: bytes) -> GenerateStreamChunk:
     return GENERATE_CHUNK.decode(payload)
 
 
+def passable(payloads: list[bytes]) -> GenerateChunkHead | None:
+    """What the proxy reads of a read's one generate chunk that can go to tokenline's derender
+    as it came (`StreamFlow.passed_on`): one choice, no usage (the proxy counts it). None for
+    anything else (several chunks, an in-band error, a chunk it cannot read), which the caller
+    decodes whole, as always."""
+    if len(payloads) != 1 or payloads[0].startswith(b'{"error"'):
+        return None
+    try:
+        head = GENERATE_CHUNK_HEAD.decode(payloads[0])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return head if len(head.choices) == 1 and head.usage is None else None
+
+
 def merge_chunks(chunks: list[GenerateStreamChunk]) -> list[GenerateStreamChunk]:
     """Consecutive chunks of one choice as one chunk (IDs and logprobs concatenated), so a
     derender that fell behind catches up in one call per choice."""
@@ -324,9 +342,10 @@ class StreamCall(msgspec.Struct, frozen=True):
 
     kind: Kind
     model: str | None
-    chunk: GenerateStreamChunk
+    chunk: GenerateStreamChunk | msgspec.Raw
     """Shaped as the client sees it: the public id, the choice's index across prompts, no
-    usage (the proxy counts it), so derender's chunk goes to the client as it is."""
+    usage (the proxy counts it), so derender's chunk goes to the client as it is. Or generate's
+    JSON as it came, which tokenline's derender shows so (`chunk_id`)."""
     state: DerenderStreamState | msgspec.Raw | None
     """The previous answer's state: decoded (binary transports) or its JSON, sent back as
     it came."""
@@ -335,6 +354,11 @@ class StreamCall(msgspec.Struct, frozen=True):
     client: ClientRequest
     client_lean: bytes
     """`client_raw` without the fields at their defaults (`DerenderView.lean`)."""
+    chunk_id: str | None = None
+    """Set when `chunk` is generate's chunk as it came (`StreamFlow.passed_on`, for tokenline's
+    derender): the id derender shows instead of the engine's, and `offset`, what the client's
+    choice index adds to the engine's (derender's `chunk_id` and `choice_offset`)."""
+    offset: int = 0
     urgent: bool = False
     """Goes at once, without waiting for other streams' calls (a batched transport sends what
     it has): the client waits for this call alone (P/D's first token, `proxy/early.py`)."""
@@ -344,7 +368,7 @@ class StreamCall(msgspec.Struct, frozen=True):
         `lean` (tokenline's derender) sends the prompt's IDs with a choice's first call only:
         only that call reads them (vLLM's derender wants them on every call)."""
         ids = None if lean and self.state is not None else self.prompt_token_ids
-        return {
+        body = {
             "stream": True,
             "model": self.model,
             "generate_chunk": self.chunk,
@@ -353,6 +377,9 @@ class StreamCall(msgspec.Struct, frozen=True):
             "prompt_tokens": len(self.prompt_token_ids),
             self.kind.request_field: client,
         }
+        if self.chunk_id is not None:
+            body["chunk_id"], body["choice_offset"] = self.chunk_id, self.offset
+        return body
 
 
 def whole_derender_body(
@@ -466,7 +493,31 @@ class StreamFlow:
             view.raw,
             view.request,
             view.lean,
-            urgent,
+            urgent=urgent,
+        )
+
+    def passed_on(self, p: int, head: GenerateChunkHead, payload: bytes) -> StreamCall | None:
+        """`call` for a chunk of prompt `p` passed on as it came (`passable`), for tokenline's
+        derender: the chunk is neither decoded whole nor encoded again. A choice's first call
+        carries what only it shows (the prompt, its logprobs), so it is `call`'s, with the
+        chunk decoded whole (which raises what `generate_chunk` raises). None: the choice is
+        already over."""
+        prog = self.progress.get((p, head.choices[0].index))
+        if prog is None or prog.state is None:
+            return self.call(p, generate_chunk(payload))
+        if prog.finished:
+            return None
+        return StreamCall(
+            self.kind,
+            self.client.model,
+            msgspec.Raw(payload),
+            prog.state,
+            self.gens[p].token_ids,
+            self.view.raw,
+            self.view.request,
+            self.view.lean,
+            self.rendered.public_id,
+            p * self.n,
         )
 
     def _shaped(
@@ -485,7 +536,7 @@ class StreamFlow:
             prompt_logprobs=prompt_logprobs or chunk.prompt_logprobs,
         )
 
-    def accept(self, p: int, chunk: GenerateStreamChunk, answer: StreamAnswer) -> Emission | None:
+    def accept(self, p: int, chunk: ReadChunk, answer: StreamAnswer) -> Emission | None:
         """Derender's answer to `call(p, chunk)`: the chunk for the client, if it has choices
         (derender's own JSON when nothing in it needs changing)."""
         choice = chunk.choices[0]
@@ -523,7 +574,7 @@ class StreamFlow:
         prog = self.progress.get((p, 0))
         return [] if prog is None else prog.generated
 
-    def over(self, p: int, chunk: GenerateStreamChunk) -> bool:
+    def over(self, p: int, chunk: ReadChunk) -> bool:
         """The choice of `chunk` (of prompt `p`, accepted) is over."""
         return self.progress[(p, chunk.choices[0].index)].finished
 

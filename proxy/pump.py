@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from tokenline.proxy.flow import generate_chunk, merge_chunks
+from tokenline.proxy.flow import ReadChunk, StreamCall, generate_chunk, merge_chunks, passable
 from tokenline.proxy.h1 import Response
 from tokenline.proxy.transport import Submitted
 from tokenline.shared.errors import ServiceError
-from tokenline.shared.wire import GenerateStreamChunk
 
 if TYPE_CHECKING:
     from tokenline.proxy.stream import Streaming
@@ -37,7 +36,7 @@ class Pump:
         self.streaming = streaming
         self.p = p
         self.resp: Response | None = None
-        self.chunk: GenerateStreamChunk | None = None
+        self.chunk: ReadChunk | None = None
         """The chunk whose derender call is in flight."""
         self.call: Submitted | None = None
         self.given_back: list[bytes] = []
@@ -56,15 +55,14 @@ class Pump:
             return
         streaming = self.streaming
         try:
-            chunks = merge_chunks([generate_chunk(x) for x in payloads])
+            found = self._call(payloads)
         except ServiceError:
             self._give_back(payloads)  # the task decodes them again, and fails as it would
             return
-        if len(chunks) != 1:
+        if found is None:
             self._give_back(payloads)
             return
-        chunk = chunks[0]
-        call = streaming.flow.call(self.p, chunk)
+        chunk, call = found
         if call is None:  # the choice is over: the task reads the stream to its end
             self._stop()
             return
@@ -72,6 +70,17 @@ class Pump:
         assert self.resp is not None
         self.resp.hold()
         self.call = streaming.hops.derender.submit(call, self._answered)
+
+    def _call(self, payloads: list[bytes]) -> tuple[ReadChunk, StreamCall | None] | None:
+        """A read's one chunk and its derender call (None: the choice is over). A chunk goes
+        on as it came when the transport takes it so; None: the read is not one chunk."""
+        flow = self.streaming.flow
+        if self.streaming.hops.derender.passes_chunks and (head := passable(payloads)):
+            return head, flow.passed_on(self.p, head, payloads[0])
+        chunks = merge_chunks([generate_chunk(x) for x in payloads])
+        if len(chunks) != 1:
+            return None
+        return chunks[0], flow.call(self.p, chunks[0])
 
     def rest(self) -> list[bytes]:
         rest, self.given_back = self.given_back, []

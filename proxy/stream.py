@@ -24,6 +24,7 @@ from tokenline.proxy.flow import (
     ClientChunk,
     ClientRequest,
     HopHeaders,
+    ReadChunk,
     Rendered,
     StreamFlow,
     engine_request,
@@ -377,7 +378,7 @@ class Streaming:
             return None
         return self.accepted(p, chunk, await self.hops.derender.stream(call))
 
-    def accepted(self, p: int, chunk: GenerateStreamChunk, answer: Any) -> Outgoing | None:
+    def accepted(self, p: int, chunk: ReadChunk, answer: Any) -> Outgoing | None:
         """Derender's answer for a chunk of prompt `p`: what the client gets, if anything."""
         emission = self.flow.accept(p, chunk, answer)
         if emission is None:

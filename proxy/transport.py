@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import msgspec
 
@@ -52,6 +52,10 @@ class Submitted(Protocol):
 
 
 class DerenderTransport(Protocol):
+    passes_chunks: ClassVar[bool]
+    """Its derender takes a generate chunk as the engine sent it (`StreamFlow.passed_on`):
+    tokenline's, behind the batched transport."""
+
     async def stream(self, call: StreamCall) -> StreamAnswer:
         """One streaming derender call; raises `ServiceError` (never a foreign exception)."""
         ...
@@ -91,6 +95,7 @@ class HttpDerender:
     submitted: dict[asyncio.Task[None], Answered] = field(default_factory=dict, kw_only=True)
     """`submit`'s calls in flight (a task each, but for the batched transport's), and who
     hears each."""
+    passes_chunks: ClassVar[bool] = False
 
     async def post(
         self, path: str, body: bytes, headers: dict[str, str], read: Callable[[bytes], T]
@@ -167,6 +172,7 @@ class BatchedDerender(HttpDerender):
     each stream's chunks are then late by the same short time, so the gaps between them (ITL)
     stay as the engine made them."""
 
+    passes_chunks: ClassVar[bool] = True
     wait: float = 0.006
     waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
     pending: int = 0

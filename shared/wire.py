@@ -428,6 +428,23 @@ class GenerateStreamChunk(Wire, kw_only=True):
     (unset) otherwise, so other chunks cost no byte more."""
 
 
+class GenerateChoiceHead(Wire, kw_only=True):
+    """What the proxy reads of a generate chunk's choice it passes on as it came."""
+
+    index: NonNegative
+    finish_reason: str | None = None
+    token_ids: TokenIds | None = None
+
+
+class GenerateChunkHead(Wire, kw_only=True):
+    """What the proxy reads of a generate chunk it passes on to tokenline's derender as it
+    came (the batched transport): derender parses the chunk, the proxy only these fields
+    (the logprobs, the bulk of it, are skipped unread)."""
+
+    usage: Usage | None = None
+    choices: list[GenerateChoiceHead] = []
+
+
 # --------------------------------------------------------------------------- OpenAI responses
 
 
@@ -618,6 +635,11 @@ class DerenderChatRequest(Wire, kw_only=True):
     prompt_tokens: NonNegative | None = None
     prompt_token_ids: TokenIds | None = None
     chat_request: ChatCompletionRequest | None = None
+    chunk_id: str | None = None
+    """tokenline extension: the id a stream chunk's answer shows instead of
+    `generate_chunk.request_id`, and `choice_offset`, added to each choice's index. The proxy
+    then passes generate's chunk on as it came (`GenerateChunkHead`), not rewritten."""
+    choice_offset: NonNegative = 0
 
     @property
     def client(self) -> ChatCompletionRequest | None:
@@ -643,6 +665,9 @@ class DerenderCompletionRequest(Wire, kw_only=True):
     # Checked against the right shape by the handler (msgspec allows one list type per union).
     prompt_token_ids: list[Any] | None = None
     completion_request: CompletionRequest | None = None
+    chunk_id: str | None = None
+    """tokenline extension, as in `DerenderChatRequest`."""
+    choice_offset: NonNegative = 0
 
     @property
     def client(self) -> CompletionRequest | None:
@@ -747,6 +772,7 @@ GENERATE_REQUEST = msgspec.json.Decoder(GenerateRequest)
 GENERATE_REQUESTS = msgspec.json.Decoder(list[GenerateRequest])
 GENERATE_RESPONSE = msgspec.json.Decoder(GenerateResponse)
 GENERATE_CHUNK = msgspec.json.Decoder(GenerateStreamChunk)
+GENERATE_CHUNK_HEAD = msgspec.json.Decoder(GenerateChunkHead)
 ERROR = msgspec.json.Decoder(ErrorEnvelope)
 RAW_STREAM_ANSWER = msgspec.json.Decoder(RawStreamAnswer)
 CHUNK_HEAD = msgspec.json.Decoder(ChunkHead)

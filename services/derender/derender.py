@@ -73,6 +73,8 @@ class StreamCall(msgspec.Struct):
     first: bool
     """The choice's first call: the one that shows the role and any echo."""
     prompt_ids: list[int] | None
+    chunk_id: str
+    """The id the answer shows: the caller's `chunk_id`, else the generate chunk's."""
     parsing: ChatParsing | None = None
     """Chat with parsers configured: how this request's choices are parsed."""
 
@@ -178,7 +180,7 @@ def _chat_chunk(
     call: StreamCall, model: str, choices: list[Any], usage: Usage | None
 ) -> ChatCompletionChunk:
     return ChatCompletionChunk(
-        id=call.chunk.request_id,
+        id=call.chunk_id,
         created=int(time.time()),
         model=model,
         choices=choices,
@@ -191,7 +193,7 @@ def _completion_chunk(
     call: StreamCall, model: str, choices: list[Any], usage: Usage | None
 ) -> CompletionChunk:
     return CompletionChunk(
-        id=call.chunk.request_id,
+        id=call.chunk_id,
         created=int(time.time()),
         model=model,
         choices=choices,
@@ -286,13 +288,14 @@ def derender_stream(
     prompt_ids = prompt_ids or chunk.prompt_token_ids
     state = _stream_state(req.stream_state, tok, opts, prompt_ids)
     first = req.stream_state is None
-    call = StreamCall(tok, req.client, chunk, state, first, prompt_ids, parsing)
+    chunk_id = req.chunk_id or chunk.request_id
+    call = StreamCall(tok, req.client, chunk, state, first, prompt_ids, chunk_id, parsing)
     choices: list[Any] = []
     match = None
     if c is not None:
         out = decode_choice(tok, opts, state, c)
         if not state.stopped or out.stop_string is not None:
-            choices.append(pieces.stream_choice(call, c.index, out))
+            choices.append(pieces.stream_choice(call, c.index + req.choice_offset, out))
         match = _stop_match(out, state)
     return DerenderStreamResponse(
         chunk=pieces.stream_chunk(call, model, choices, _stream_usage(req, chunk)),
@@ -312,4 +315,7 @@ def derender(kind: Kind, req: DerenderRequest, tok: ModelTokenizer, s: DerenderS
     pieces = PIECES[kind.name]
     if req.stream:
         return derender_stream(pieces, req, tok, s)
+    for name in ("chunk_id", "choice_offset"):  # a whole answer has no chunk to show them
+        if getattr(req, name):
+            raise BadRequest(f"{name} applies to streaming calls only", param=name)
     return pieces.whole(req, tok, s)

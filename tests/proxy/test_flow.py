@@ -20,6 +20,7 @@ from tokenline.proxy.flow import (
     engine_request,
     generate_chunk,
     merge_chunks,
+    passable,
     prefill_request,
     prompt_request,
     public_id,
@@ -48,6 +49,7 @@ from tokenline.shared.wire import (
     PromptLogprob,
     SamplingParams,
     StopMatch,
+    Usage,
 )
 
 
@@ -217,6 +219,54 @@ def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
     assert again.fields(None)["prompt_token_ids"] == [1, 2, 3]  # vLLM's derender: always
     assert flow.progress[(0, 0)].completion_tokens == 2
     assert flow.accept(0, c, RAW_STREAM_ANSWER.decode(JSON.encode(answer(3, None)))) is None
+
+
+def test_only_one_chunk_of_one_choice_without_usage_is_passed_on_as_it_came() -> None:
+    """`passable`: what the proxy reads of a chunk it may pass on; anything else (several
+    chunks, an in-band error, usage, several choices, no chunk at all) is decoded whole."""
+    one = JSON.encode(chunk(0, [7]))
+    head = passable([one])
+    assert head is not None and head.usage is None
+    assert [(c.index, c.token_ids, c.finish_reason) for c in head.choices] == [(0, [7], None)]
+    two = chunk(0, [7])
+    two.choices.append(chunk(1, [8]).choices[0])
+    with_usage = msgspec.structs.replace(chunk(0, [7]), usage=Usage(prompt_tokens=3))
+    for payloads in (
+        [one, one],
+        [b'{"error": {"message": "boom"}}'],
+        [JSON.encode(two)],
+        [JSON.encode(with_usage)],
+        [b"not json"],
+        [b'{"choices": [{"index": -1}]}'],
+    ):
+        assert passable(payloads) is None, payloads
+
+
+def test_a_chunk_passed_on_carries_the_streams_id_and_index_for_derender_to_show() -> None:
+    """Past a choice's first call, its chunks go to tokenline's derender as generate sent
+    them, with the id and the index offset derender shows instead; the first call is
+    `call`'s (shaped: it carries the prompt)."""
+    flow = stream_flow(n=1, prompts=2)
+    payload = JSON.encode(chunk(0, [7]))
+    head = passable([payload])
+    assert head is not None
+    first = flow.passed_on(1, head, payload)
+    assert first is not None and first.chunk_id is None and first.state is None
+    assert isinstance(first.chunk, GenerateStreamChunk) and first.chunk.choices[0].index == 1
+    raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(1, "a", index=1)))
+    assert flow.accept(1, head, raw) is not None
+    later = flow.passed_on(1, head, payload)
+    assert later is not None and later.state == raw.stream_state
+    body = JSON.encode(later.fields(msgspec.Raw(later.client_lean), lean=True))
+    assert payload in body  # the engine's bytes, as they came
+    fields = later.fields(None, lean=True)
+    assert (fields["chunk_id"], fields["choice_offset"]) == ("req", 1)
+    assert "chunk_id" not in first.fields(None, lean=True)
+    last = JSON.encode(chunk(0, [9], finish="length"))
+    done = passable([last])
+    assert done is not None
+    assert flow.accept(1, done, raw) is not None and flow.over(1, done)
+    assert flow.passed_on(1, done, last) is None  # the choice is over
 
 
 def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:

@@ -19,6 +19,7 @@ from tests.fakes.decode import EndlessDecode
 from tests.proxy.conftest import Tiers, url
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.flow import StreamCall, StreamFlow
 from tokenline.proxy.pump import Pump
 from tokenline.proxy.routes import EventStream
 from tokenline.proxy.stream import Streaming
@@ -115,17 +116,40 @@ def _join(prev: dict[str, Any], event: dict[str, Any]) -> None:
 
 
 class Counted:
-    """How often the pump took a read, and gave the stream back."""
+    """How often the pump took a read, and how many of its calls passed generate's chunk on
+    as it came (`StreamFlow.passed_on`)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.feeds = 0
-        feed = Pump.feed
+        self.feeds = self.passed = 0
+        feed, passed_on = Pump.feed, StreamFlow.passed_on
 
         def counted(pump: Pump, payloads: list[bytes]) -> None:
             self.feeds += 1
             feed(pump, payloads)
 
+        def passed(flow: StreamFlow, *args: Any) -> StreamCall | None:
+            call = passed_on(flow, *args)
+            self.passed += call is not None and call.chunk_id is not None
+            return call
+
         monkeypatch.setattr(Pump, "feed", counted)
+        monkeypatch.setattr(StreamFlow, "passed_on", passed)
+
+    def check(self, transport: str, reads: int) -> None:
+        """The pump carried the stream (more than `reads` reads), passing the chunks on as
+        they came exactly when the transport's derender takes them so (tokenline's)."""
+        assert self.feeds > reads
+        if transport == "batched":
+            assert self.passed > reads
+        else:
+            assert self.passed == 0
+
+
+def one_id(raw: bytes) -> None:
+    """Every chunk of the stream shows one id, the stream's own (chunks passed on as they
+    came show it as the first one, shaped by the proxy, does)."""
+    ids = {json.loads(e[6:])["id"] for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"}
+    assert len(ids) == 1 and ids.pop().startswith(("chatcmpl-", "cmpl-")), ids
 
 
 async def stream(client: Any, request: dict[str, Any], path: str = "/v1/chat/completions") -> bytes:
@@ -162,7 +186,8 @@ async def test_a_pumped_stream_is_the_tasks_own(
     ) as client:
         got = await stream(client, body())
     assert folded(comparable(got)) == folded(comparable(expected))
-    assert counted.feeds > tokens // 2  # the pump carried the stream, not its task
+    counted.check(transport, tokens // 2)
+    one_id(got)
 
 
 COMPLETIONS = {
@@ -194,7 +219,8 @@ async def test_every_prompt_of_a_request_is_pumped_with_its_usage(
         sorted(comparable(expected)[:-1], key=lambda c: [x["index"] for x in c["choices"]])
     )
     assert comparable(got)[-1] == "[DONE]"
-    assert counted.feeds > 60  # both prompts' streams, mostly through their pumps
+    counted.check(transport, 60)  # both prompts' streams, mostly through their pumps
+    one_id(got)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -19,7 +19,7 @@ from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import derender
 from tokenline.shared.frames import BATCH_SOCKET_PATH, call_frame, read_answer
-from tokenline.shared.kinds import CHAT, COMPLETION
+from tokenline.shared.kinds import CHAT, COMPLETION, Kind
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import DERENDER_CHAT, JSON
 
@@ -216,3 +216,40 @@ async def test_a_batch_too_small_or_too_large_is_a_400(client: TestClient, count
     assert resp.status == 400
     error = (await resp.json())["error"]
     assert error["code"] == 400 and error["param"] == "requests"
+
+
+@pytest.mark.parametrize("kind", [CHAT, COMPLETION])
+async def test_chunk_id_and_choice_offset_show_the_chunk_as_the_proxy_would_have_shaped_it(
+    client: TestClient, tiny_tok: ModelTokenizer, kind: Kind
+) -> None:
+    """tokenline's extension: generate's chunk as it came, with `chunk_id` and `choice_offset`,
+    answers what the chunk rewritten to that id and index answers; a whole call, which has no
+    chunk to show them on, refuses them naming the field."""
+    ids = tiny_tok.encode(" one two", add_special_tokens=False)
+    item = _item(ids, {"role_sent": True}, logprobs=True, top_logprobs=1)
+    if kind is COMPLETION:
+        item["completion_request"] = {"prompt": "x", "model": "tiny", "logprobs": 1}
+        del item["chat_request"]
+    shaped = json.loads(json.dumps(item))
+    shaped["generate_chunk"]["request_id"] = "cmpl-public"
+    shaped["generate_chunk"]["choices"][0]["index"] = 3
+    passed = {**item, "chunk_id": "cmpl-public", "choice_offset": 3}
+    answers = []
+    for body in (shaped, passed):
+        resp = await client.post(kind.batch_path, json={"requests": [body]})
+        assert resp.status == 200
+        (got,) = await resp.json()
+        assert "error" not in got, got
+        got["chunk"].pop("created")
+        answers.append(got)
+    assert answers[0] == answers[1]
+    assert answers[1]["chunk"]["id"] == "cmpl-public"
+    assert answers[1]["chunk"]["choices"][0]["index"] == 3
+    whole = {"model": "tiny", "generate_response": item["generate_chunk"]}
+    whole |= {kind.request_field: item[kind.request_field]}
+    if kind is COMPLETION:
+        whole = {**whole, "generate_responses": [whole.pop("generate_response")]}
+    for extra in ({"chunk_id": "x"}, {"choice_offset": 1}):
+        resp = await client.post(kind.derender_path, json=whole | extra)
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == next(iter(extra))
