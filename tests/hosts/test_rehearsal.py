@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -273,17 +274,20 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     before = proxy_metric(rehearsal, "tokenline_proxy_migrations_total")
 
     busy: list[bool] = []
+    seen: list[tuple[float, list[int], int]] = []
     report = Report()
 
     async def kill() -> None:
         # once a stream runs on the victim and has sent output (else it reruns, not migrates):
-        # every stream started so far has reached its client and none has ended, so whichever
-        # runs on the victim has (the rest start after the kill). The engine's own token count
-        # is not enough: a proxy lagging under the suite's load had once sent none of them
-        for _ in range(400):
+        # every stream started so far has reached its client, so whichever runs on the victim
+        # has (the rest start after the kill). The engine's own token count is not enough: a
+        # proxy lagging under the suite's load had once sent none of them
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             running = await asyncio.to_thread(engine_metric, victim, "vllm:num_requests_running")
             shown = [report.received.get(i, 0) for i in range(report.started)]
-            if running >= 1 and min(shown, default=0) >= 5 and report.completed == 0:
+            seen[:] = [(running, shown, report.completed)]
+            if running >= 1 and min(shown, default=0) >= 5:
                 busy.append(True)
                 break
             await asyncio.sleep(0.05)
@@ -292,5 +296,6 @@ async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehea
     await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG, report=report)
     report.show("SIGKILL of generate-decode-0")
     assert (report.completed, report.identical, report.errored) == (6, 6, 0), report.errors
-    assert busy, "no stream had run on the victim for 20 s: the kill proved nothing"
+    # last seen: (the victim's running requests, chunks each stream had shown, completed)
+    assert busy, f"no stream had run on the victim for 60 s: the kill proved nothing {seen}"
     assert proxy_metric(rehearsal, "tokenline_proxy_migrations_total") > before
