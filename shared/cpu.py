@@ -30,13 +30,21 @@ POLICIES: dict[CpuPolicy, int] = {"batch": os.SCHED_BATCH, "normal": os.SCHED_OT
 def set_cpu_policy(policy: CpuPolicy) -> None:
     """The scheduling policy of every thread of this process (and of those it starts)."""
     try:
-        for task in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setscheduler(int(task), POLICIES[policy], os.sched_param(0))
-            except ProcessLookupError:  # a thread that ended meanwhile
-                continue
+        set_threads_policy(os.getpid(), policy)
     except OSError as exc:
         raise SystemExit(
             f"--cpu-policy {policy}: the kernel refused it ({exc.strerror}); "
             "--cpu-policy normal runs under the default policy"
         ) from exc
+
+
+def set_threads_policy(pid: int, policy: CpuPolicy) -> int:
+    """`policy` on every thread of process `pid` now; how many threads took it."""
+    done = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(task), POLICIES[policy], os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        done += 1
+    return done

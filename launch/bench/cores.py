@@ -15,12 +15,14 @@ same for every target: only where processes run changes, not what they run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tokenline.launch.process import Process
 from tokenline.services.generate.launcher import pin_engine
+from tokenline.shared.cpu import CpuPolicy, set_threads_policy
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,19 @@ class Split:
 
     def to_json(self) -> dict[str, list[int]]:
         return {"front": sorted(self.front), "model": sorted(self.model)}
+
+
+def set_policy(processes: Iterable[Process], policy: CpuPolicy) -> int:
+    """Every thread of each running process and of its descendants under `policy`, as each
+    would have set itself with `--cpu-policy` (`shared/cpu.py`); how many threads took it."""
+    import psutil  # vLLM's dependency; only benchmarks reach into other processes
+
+    done = 0
+    for process in processes:
+        if process.proc is None or process.proc.poll() is not None:
+            continue
+        root = psutil.Process(process.proc.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # exited meanwhile
+                done += set_threads_policy(proc.pid, policy)
+    return done

@@ -8,9 +8,13 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
+from tokenline.launch.bench.cores import set_policy
+from tokenline.launch.process import Process
 from tokenline.shared import cpu
 from tokenline.shared.cpu import set_cpu_policy
 
@@ -66,3 +70,26 @@ def test_a_refused_policy_stops_the_service_naming_the_flag(
     monkeypatch.setattr(cpu.os, "sched_setscheduler", refuse)
     with pytest.raises(SystemExit, match=r"--cpu-policy batch: the kernel refused it"):
         set_cpu_policy("batch")
+
+
+def test_the_bench_puts_a_running_service_and_its_children_under_a_policy() -> None:
+    """`launch/bench/cores.set_policy`, as the steps bench's `--cpu-policies` flips a running
+    front end: every thread of the process and of its child."""
+    child = "import time; time.sleep(60)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}])"
+    service = Process("policy-probe", [sys.executable, "-c", parent + "; time.sleep(60)"], 0)
+    service.start()
+    try:
+        assert service.proc is not None
+        root = psutil.Process(service.proc.pid)
+        deadline = time.monotonic() + 30
+        while not root.children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = [root, *root.children(recursive=True)]
+        assert len(tree) == 2
+        for policy, expected in (("batch", os.SCHED_BATCH), ("normal", os.SCHED_OTHER)):
+            assert set_policy([service], policy) >= 2  # type: ignore[arg-type]
+            threads = [t.id for p in tree for t in p.threads()]
+            assert {os.sched_getscheduler(t) for t in threads} == {expected}
+    finally:
+        service.stop()
