@@ -244,9 +244,9 @@ def passable(payloads: list[bytes]) -> GenerateChunkHead | None:
     as it came (`StreamFlow.passed_on`): one choice, no usage (the proxy counts it). None for
     anything else (several chunks, an in-band error, a chunk it cannot read), which the caller
     decodes whole, as always."""
-    if len(payloads) != 1 or payloads[0].startswith(b'{"error"'):
+    if len(payloads) != 1:
         return None
-    try:
+    try:  # an in-band error (`generate_chunk`) reads as a head without choices
         head = GENERATE_CHUNK_HEAD.decode(payloads[0])
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None
@@ -484,17 +484,8 @@ class StreamFlow:
         first = prog.state is None
         view = self.first_views[p] if first else self.view
         prompt_logprobs = self.prompt_logprobs.get(p) if first else None
-        return StreamCall(
-            self.kind,
-            self.client.model,
-            self._shaped(p, chunk, prompt_logprobs),
-            prog.state,
-            self.gens[p].token_ids,
-            view.raw,
-            view.request,
-            view.lean,
-            urgent=urgent,
-        )
+        shaped = self._shaped(p, chunk, prompt_logprobs)
+        return self._stream_call(p, shaped, prog.state, view, urgent=urgent)
 
     def passed_on(self, p: int, head: GenerateChunkHead, payload: bytes) -> StreamCall | None:
         """`call` for a chunk of prompt `p` passed on as it came (`passable`), for tokenline's
@@ -507,17 +498,34 @@ class StreamFlow:
             return self.call(p, generate_chunk(payload))
         if prog.finished:
             return None
+        raw = msgspec.Raw(payload)
+        return self._stream_call(
+            p, raw, prog.state, self.view, chunk_id=self.rendered.public_id, offset=p * self.n
+        )
+
+    def _stream_call(
+        self,
+        p: int,
+        chunk: GenerateStreamChunk | msgspec.Raw,
+        state: DerenderStreamState | msgspec.Raw | None,
+        view: DerenderView,
+        chunk_id: str | None = None,
+        offset: int = 0,
+        urgent: bool = False,
+    ) -> StreamCall:
+        """A call of prompt `p` carrying `view` of the client request."""
         return StreamCall(
             self.kind,
             self.client.model,
-            msgspec.Raw(payload),
-            prog.state,
+            chunk,
+            state,
             self.gens[p].token_ids,
-            self.view.raw,
-            self.view.request,
-            self.view.lean,
-            self.rendered.public_id,
-            p * self.n,
+            view.raw,
+            view.request,
+            view.lean,
+            chunk_id,
+            offset,
+            urgent,
         )
 
     def _shaped(

@@ -110,15 +110,13 @@ def main() -> None:
         for target in (ours, alone):  # a warm-up turn each, not printed
             asyncio.run(load.closed_loop(target.target, mix, args.concurrency, 3.0, "warm-up"))
         first = 0
-        policies: list[CpuPolicy] = args.cpu_policies
+        policies: list[CpuPolicy | None] = args.cpu_policies or [None]  # None: left as is
         for turn in range(args.turns):
-            if not policies:
-                for running in (ours, alone):
-                    first = _turn(running, watched, mix, args, first)
-                continue
             for policy in policies[turn % len(policies) :] + policies[: turn % len(policies)]:
-                cores.set_policy(ours.front, policy)
-                first = _turn(ours, watched, mix, args, first, f"[{policy}]")
+                if policy is not None:
+                    cores.set_policy(ours.front, policy)
+                label = "" if policy is None else f"[{policy}]"
+                first = _turn(ours, watched, mix, args, first, label)
                 first = _turn(alone, watched, mix, args, first)
 
 
