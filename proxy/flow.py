@@ -25,7 +25,9 @@ from tokenline.shared.wire import (
     CHUNK_HEAD,
     GENERATE_CHUNK,
     GENERATE_CHUNK_HEAD,
+    JSON,
     STATE_COUNTS,
+    BatchItemAnswer,
     ChatCompletionChunk,
     ChatCompletionRequest,
     CompletionChunk,
@@ -40,6 +42,7 @@ from tokenline.shared.wire import (
     PromptLogprobs,
     RawStreamAnswer,
     SamplingParams,
+    StateCounts,
     Usage,
 )
 
@@ -229,6 +232,11 @@ class HopHeaders:
         return headers
 
 
+def _state_counts(answer: StreamAnswer, raw: bool) -> StateCounts | DerenderStreamState:
+    """What the proxy reads of an answer's state: its counts."""
+    return STATE_COUNTS.decode(answer.stream_state) if raw else answer.stream_state
+
+
 # --------------------------------------------------------------------------- generate chunks
 
 
@@ -362,6 +370,17 @@ class StreamCall(msgspec.Struct, frozen=True):
     urgent: bool = False
     """Goes at once, without waiting for other streams' calls (a batched transport sends what
     it has): the client waits for this call alone (P/D's first token, `proxy/early.py`)."""
+    prefix: bytes | None = None
+    """A call passed on (`StreamFlow.passed_on`): its body for tokenline's derender up to the
+    chunk, the same in every such call of the prompt (`lean_json`)."""
+
+    def lean_json(self) -> bytes:
+        """The call's body for tokenline's derender: `fields(lean=True)` encoded, or for a call
+        passed on, its prefix, chunk and state joined as they are (no dict built or encoded)."""
+        if self.prefix is not None:  # the chunk and the state are JSON (`msgspec.Raw`)
+            parts = (self.prefix, self.chunk, b',"stream_state":', self.state, b"}")
+            return b"".join(parts)  # type: ignore[arg-type]
+        return JSON.encode(self.fields(msgspec.Raw(self.client_lean), True))
 
     def fields(self, client: Any, lean: bool = False) -> dict[str, Any]:
         """vLLM's streaming derender body, with `client` as the original-request field.
@@ -446,6 +465,8 @@ class StreamFlow:
     """Per prompt, when its echo shows them (`needs_prompt_logprobs`): put on the first chunk
     of each of its choices (`GenerateStreamChunk.prompt_logprobs`)."""
     view: DerenderView = field(init=False)
+    prefixes: dict[int, bytes] = field(default_factory=dict)
+    """Per prompt: the body its calls passed on share up to their chunk (`StreamCall.prefix`)."""
     first_views: list[DerenderView] = field(init=False)
     """Per prompt: the view its choices' first calls carry (`view` unless echo or the role
     needs the prompt), each encoded once."""
@@ -498,10 +519,16 @@ class StreamFlow:
             return self.call(p, generate_chunk(payload))
         if prog.finished:
             return None
-        raw = msgspec.Raw(payload)
-        return self._stream_call(
-            p, raw, prog.state, self.view, chunk_id=self.rendered.public_id, offset=p * self.n
+        raw, prefix = msgspec.Raw(payload), self.prefixes.get(p)
+        call = self._stream_call(
+            p, raw, prog.state, self.view, self.rendered.public_id, p * self.n, prefix=prefix
         )
+        if prefix is None and isinstance(prog.state, msgspec.Raw):  # JSON: the batched transport
+            fields = call.fields(msgspec.Raw(self.view.lean), lean=True)
+            del fields["generate_chunk"], fields["stream_state"]
+            self.prefixes[p] = JSON.encode(fields)[:-1] + b',"generate_chunk":'
+            call = msgspec.structs.replace(call, prefix=self.prefixes[p])
+        return call
 
     def _stream_call(
         self,
@@ -512,6 +539,7 @@ class StreamFlow:
         chunk_id: str | None = None,
         offset: int = 0,
         urgent: bool = False,
+        prefix: bytes | None = None,
     ) -> StreamCall:
         """A call of prompt `p` carrying `view` of the client request."""
         return StreamCall(
@@ -526,6 +554,7 @@ class StreamFlow:
             chunk_id,
             offset,
             urgent,
+            prefix,
         )
 
     def _shaped(
@@ -551,8 +580,9 @@ class StreamFlow:
         prog = self.progress[(p, choice.index)]
         prog.generated += choice.token_ids or ()
         prog.state = answer.stream_state
-        raw = isinstance(answer, RawStreamAnswer)
-        counts = STATE_COUNTS.decode(answer.stream_state) if raw else answer.stream_state
+        raw = isinstance(answer, (RawStreamAnswer, BatchItemAnswer))
+        counted = isinstance(answer, BatchItemAnswer) and answer.completion_tokens is not None
+        counts = answer if counted else _state_counts(answer, raw)
         prog.unsent_tokens += counts.completion_tokens - prog.completion_tokens
         prog.completion_tokens = counts.completion_tokens
         prog.reasoning_tokens = counts.reasoning_tokens
@@ -560,9 +590,12 @@ class StreamFlow:
             prog.finished = True
             if answer.stop_match is not None and choice.finish_reason is None:
                 self.stopped_early_prompts.add(p)
-        head = CHUNK_HEAD.decode(answer.chunk) if raw else answer.chunk
-        self.model = head.model
-        if not head.choices:
+        if counted and self.model:  # the model is the same in every chunk of the stream
+            shown = answer.shown
+        else:
+            head = CHUNK_HEAD.decode(answer.chunk) if raw else answer.chunk
+            self.model, shown = head.model, bool(head.choices)
+        if not shown:
             return None
         out: ClientChunk | msgspec.Raw = answer.chunk
         if self.continuous_usage:

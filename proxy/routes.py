@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
@@ -48,8 +49,14 @@ def sse(payload: bytes) -> bytes:
 
 
 def events(chunks: list[Any]) -> bytes:
-    """Chunks as consecutive SSE events."""
-    return b"".join(sse(JSON.encode(c)) for c in chunks)
+    """Chunks as consecutive SSE events (a chunk that is JSON already as it is)."""
+    if len(chunks) == 1:  # a stream's usual write: one chunk, one copy
+        return b"data: %b\n\n" % _json(chunks[0])
+    return b"".join(sse(_json(c)) for c in chunks)
+
+
+def _json(chunk: Any) -> Any:
+    return chunk if isinstance(chunk, msgspec.Raw) else JSON.encode(chunk)
 
 
 def hop_headers(request: web.Request) -> HopHeaders:

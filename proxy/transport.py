@@ -38,13 +38,18 @@ from tokenline.shared.errors import (
 from tokenline.shared.frames import MAX_BATCH_BODY
 from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.limits import DERENDER_BATCH_ITEMS
-from tokenline.shared.wire import ERROR, JSON, RAW_STREAM_ANSWER, ErrorEnvelope
+from tokenline.shared.wire import (
+    BATCH_ANSWER,
+    JSON,
+    RAW_STREAM_ANSWER,
+    BatchItemAnswer,
+    ErrorEnvelope,
+)
 
 T = TypeVar("T")
 Answered = Callable[[StreamAnswer | ServiceError], None]
 """Hears a submitted call's outcome (in an event-loop callback; it must not raise)."""
 JSON_HEADERS = {"Content-Type": "application/json"}
-BATCH_ANSWER = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 class Submitted(Protocol):
@@ -250,7 +255,7 @@ class BatchedDerender(HttpDerender):
 
     async def _send(self, batch: list[_Pending]) -> None:
         kind = batch[0].call.kind
-        items = [JSON.encode(p.call.fields(msgspec.Raw(p.call.client_lean), True)) for p in batch]
+        items = [p.call.lean_json() for p in batch]
         parts = _bodies(batch, items)
         for part, _ in parts:
             self.answering.update(part)
@@ -275,20 +280,21 @@ class BatchedDerender(HttpDerender):
         except Exception as exc:  # a bug too: its callers must hear, or they wait forever
             outcomes = [as_service_error(exc)] * len(batch)
         else:
-            outcomes = [_item(bytes(raw)) for raw in answers]
+            outcomes = [_item(answer) for answer in answers]
         finally:
             self.answering.difference_update(batch)
         for p, outcome in zip(batch, outcomes, strict=True):
             _settle(p, outcome)
 
-    async def _exchange(self, kind: Kind, body: bytes, items: int) -> list[msgspec.Raw]:
-        """A batch of `items` calls answered (each answer still raw) by a replica: by another
-        one if it fails or answers what is no answer to this batch (derender is pure)."""
+    async def _exchange(self, kind: Kind, body: bytes, items: int) -> list[BatchItemAnswer]:
+        """A batch of `items` calls answered by a replica (read in one pass: each answer's
+        chunk and state stay JSON): by another one if it fails or answers what is no answer to
+        this batch (derender is pure)."""
 
-        async def once(worker: Worker) -> list[msgspec.Raw]:
+        async def once(worker: Worker) -> list[BatchItemAnswer]:
             with self.pool.lease(worker):
                 data = await self.sockets.exchange(worker, kind.name, body)
-            answers: list[msgspec.Raw] = derendered(BATCH_ANSWER, data)
+            answers: list[BatchItemAnswer] = derendered(BATCH_ANSWER, data)
             if len(answers) != items:
                 raise UpstreamError(f"derender answered {len(answers)} items to a batch of {items}")
             return answers
@@ -315,14 +321,13 @@ def closed() -> UpstreamUnavailable:
     return UpstreamUnavailable("the proxy's derender transport closed")
 
 
-def _item(raw: bytes) -> StreamAnswer | ServiceError:
+def _item(answer: BatchItemAnswer) -> StreamAnswer | ServiceError:
     """One item of a batch answer: derender's answer, or that item's own error."""
-    try:
-        if not raw.startswith(b'{"error"'):
-            return derendered(RAW_STREAM_ANSWER, raw)
-        error = derendered(ERROR, raw).error
-    except ServiceError as exc:
-        return exc
+    error = answer.error
+    if error is None:
+        if not (answer.chunk and answer.stream_state):
+            return UpstreamError("derender answered a batch item with neither answer nor error")
+        return answer
     if 400 <= error.code < 500:
         return UpstreamRejected(error.code, ErrorEnvelope(error=error))
     return UpstreamError(f"derender failed a batch item: {error.message}")

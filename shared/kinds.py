@@ -23,8 +23,10 @@ from tokenline.shared.wire import (
     CompletionChunk,
     CompletionRequest,
     DerenderBatch,
+    DerenderChatItem,
     DerenderChatRequest,
     DerenderChatStreamResponse,
+    DerenderCompletionItem,
     DerenderCompletionRequest,
     DerenderCompletionStreamResponse,
     GenerateRequest,
@@ -90,6 +92,8 @@ class Kind:
     chunk_type: type[ChatCompletionChunk] | type[CompletionChunk]
     """A stream chunk of this kind, as the client sees it."""
     derender_request: type[DerenderChatRequest] | type[DerenderCompletionRequest]
+    derender_item: type[DerenderChatItem] | type[DerenderCompletionItem]
+    """A derender call as a batch carries it (its client request decoded when read)."""
     stream_answer_type: type[DerenderChatStreamResponse] | type[DerenderCompletionStreamResponse]
     one_prompt: bool
     """A request has exactly one prompt (chat), else a list of them (completions): derender's
@@ -133,7 +137,7 @@ class Kind:
     @functools.cached_property
     def derender_batch_json(self) -> msgspec.json.Decoder[Any]:
         """A batch of this kind's calls, every item decoded (`DerenderBatch`)."""
-        batch = DerenderBatch[self.derender_request]  # type: ignore[name-defined]
+        batch = DerenderBatch[self.derender_item]  # type: ignore[name-defined]
         return msgspec.json.Decoder(batch)
 
     @functools.cached_property
@@ -170,6 +174,7 @@ CHAT = Kind(
     whole_type=ChatCompletion,
     chunk_type=ChatCompletionChunk,
     derender_request=DerenderChatRequest,
+    derender_item=DerenderChatItem,
     stream_answer_type=DerenderChatStreamResponse,
     one_prompt=True,
     logprobs_include_sampled=False,
@@ -189,6 +194,7 @@ COMPLETION = Kind(
     whole_type=Completion,
     chunk_type=CompletionChunk,
     derender_request=DerenderCompletionRequest,
+    derender_item=DerenderCompletionItem,
     stream_answer_type=DerenderCompletionStreamResponse,
     one_prompt=False,
     logprobs_include_sampled=True,

@@ -17,6 +17,7 @@ wrong type is a `msgspec.ValidationError` naming the field (e.g. `$.token_ids[3]
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
@@ -679,6 +680,52 @@ class DerenderCompletionRequest(Wire, kw_only=True):
         return list(self.generate_responses or [])
 
 
+CLIENT_VIEWS = 512
+"""Distinct client requests kept decoded for batch items (`DerenderChatItem.client`): more
+than the streams a derender replica serves at once."""
+CLIENT_VIEW_BYTES = 4096
+"""The longest client request kept decoded; a longer one (rare: tools, schemas) is decoded
+with each call."""
+
+
+def _cached(decode: Any) -> Any:
+    """`decode` of a client request, each distinct one decoded once (up to `CLIENT_VIEWS`); a
+    decode error names the field, as if the whole item had been decoded."""
+    cached = functools.lru_cache(maxsize=CLIENT_VIEWS)(decode)
+
+    def view(field: str, raw: msgspec.Raw) -> Any:
+        if not raw:
+            return None
+        try:
+            return cached(bytes(raw)) if len(raw) <= CLIENT_VIEW_BYTES else decode(raw)
+        except msgspec.ValidationError as exc:
+            raise msgspec.ValidationError(str(exc).replace("`$", f"`$.{field}", 1)) from None
+
+    return view
+
+
+class DerenderChatItem(DerenderChatRequest, kw_only=True):
+    """A call as tokenline's batch routes read it: its client request left as JSON, decoded
+    when read (`client`) once per distinct request, where every call of a stream carries the
+    same (its decode cost more than a tenth of a chunk's derender)."""
+
+    chat_request: msgspec.Raw = msgspec.Raw()  # type: ignore[assignment]
+
+    @property
+    def client(self) -> ChatCompletionRequest | None:
+        return _CHAT_VIEW("chat_request", self.chat_request)  # type: ignore[no-any-return]
+
+
+class DerenderCompletionItem(DerenderCompletionRequest, kw_only=True):
+    """`DerenderChatItem` for completions."""
+
+    completion_request: msgspec.Raw = msgspec.Raw()  # type: ignore[assignment]
+
+    @property
+    def client(self) -> CompletionRequest | None:
+        return _COMPLETION_VIEW("completion_request", self.completion_request)  # type: ignore[no-any-return]
+
+
 class StopMatch(Wire, kw_only=True):
     """tokenline extension on a streaming derender answer: a stop string matched.
 
@@ -711,6 +758,36 @@ class RawStreamAnswer(Wire, kw_only=True):
     chunk: msgspec.Raw
     stream_state: msgspec.Raw
     stop_match: StopMatch | None = None
+
+
+class BatchStreamAnswer(Wire, Generic[ChunkT], kw_only=True, omit_defaults=True):
+    """One streaming item of a derender batch's answer (tokenline's batch routes): derender's
+    answer, with what the proxy reads of it beside it (`BatchItemAnswer`), so that the proxy
+    reads an item in one pass instead of parsing its chunk and its state again."""
+
+    chunk: ChunkT
+    stream_state: DerenderStreamState
+    stop_match: StopMatch | None = None
+    completion_tokens: int
+    reasoning_tokens: int | None = None
+    shown: bool
+    """The chunk has choices (one the client gets)."""
+
+
+class BatchItemAnswer(Wire, kw_only=True):
+    """One item of a derender batch's answer as the proxy reads it, in one pass: a streaming
+    answer (`BatchStreamAnswer`, its chunk and state left as JSON), or the item's own error.
+    `completion_tokens` is None from a derender that sends no counts beside its answer: its
+    state and chunk are then read as `RawStreamAnswer`'s are. An empty `chunk` or
+    `stream_state`: the item has none (msgspec takes no `Raw | None`)."""
+
+    chunk: msgspec.Raw = msgspec.Raw()
+    stream_state: msgspec.Raw = msgspec.Raw()
+    stop_match: StopMatch | None = None
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    shown: bool = True
+    error: ErrorInfo | None = None
 
 
 class ChunkHead(Wire, kw_only=True):
@@ -768,6 +845,8 @@ class ModelList(Wire, kw_only=True):
 JSON = msgspec.json.Encoder()
 CHAT_REQUEST = msgspec.json.Decoder(ChatCompletionRequest)
 COMPLETION_REQUEST = msgspec.json.Decoder(CompletionRequest)
+_CHAT_VIEW = _cached(CHAT_REQUEST.decode)
+_COMPLETION_VIEW = _cached(COMPLETION_REQUEST.decode)
 GENERATE_REQUEST = msgspec.json.Decoder(GenerateRequest)
 GENERATE_REQUESTS = msgspec.json.Decoder(list[GenerateRequest])
 GENERATE_RESPONSE = msgspec.json.Decoder(GenerateResponse)
@@ -775,6 +854,7 @@ GENERATE_CHUNK = msgspec.json.Decoder(GenerateStreamChunk)
 GENERATE_CHUNK_HEAD = msgspec.json.Decoder(GenerateChunkHead)
 ERROR = msgspec.json.Decoder(ErrorEnvelope)
 RAW_STREAM_ANSWER = msgspec.json.Decoder(RawStreamAnswer)
+BATCH_ANSWER = msgspec.json.Decoder(list[BatchItemAnswer])
 CHUNK_HEAD = msgspec.json.Decoder(ChunkHead)
 STATE_COUNTS = msgspec.json.Decoder(StateCounts)
 CHAT_COMPLETION = msgspec.json.Decoder(ChatCompletion)

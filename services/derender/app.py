@@ -37,7 +37,13 @@ from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import CLIENT_GONE, ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import DERENDER_BATCH, DETOKENIZE_REQUEST, JSON
+from tokenline.shared.wire import (
+    DERENDER_BATCH,
+    DETOKENIZE_REQUEST,
+    JSON,
+    BatchStreamAnswer,
+    DerenderStreamResponse,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -157,14 +163,28 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
                 n = _tokens(req)
                 chunks, tokens = chunks + req.stream, tokens + n
                 if _inline(req, n):
-                    answers.append(state.answer_now(kind, req))
+                    answer = state.answer_now(kind, req)
                 else:
-                    answers.append(await state.answer(kind, req, n))
+                    answer = await state.answer(kind, req, n)
+                answers.append(_counted(answer) if req.stream else answer)
             except Exception as exc:
                 answers.append(as_service_error(exc).to_wire())
     finally:
         state.count(chunks, tokens)
     return answers
+
+
+def _counted(answer: DerenderStreamResponse[Any]) -> BatchStreamAnswer[Any]:
+    """A streaming item's answer with its counts beside it, for the proxy to read in one pass."""
+    state = answer.stream_state
+    return BatchStreamAnswer(
+        chunk=answer.chunk,
+        stream_state=state,
+        stop_match=answer.stop_match,
+        completion_tokens=state.completion_tokens,
+        reasoning_tokens=state.reasoning_tokens,
+        shown=bool(answer.chunk.choices),
+    )
 
 
 def _handlers(kind: Kind) -> tuple[Handler, Handler]:

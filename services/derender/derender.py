@@ -280,16 +280,20 @@ def derender_stream(
     )
     check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
-    parsing = None
+    # the client request read once: a batch item decodes it when read
+    client: ChatCompletionRequest | CompletionRequest | None
     if isinstance(req, DerenderChatRequest):
-        parsing = ChatParsing.of(s.parsers, req.chat_request, tok)
-    opts = ChoiceOptions.of(req.client)
+        chat = req.client
+        client, parsing = chat, ChatParsing.of(s.parsers, chat, tok)
+    else:
+        client, parsing = req.client, None
+    opts = ChoiceOptions.of(client)
     opts = parsing.choice_options(opts) if parsing is not None else opts
     prompt_ids = prompt_ids or chunk.prompt_token_ids
     state = _stream_state(req.stream_state, tok, opts, prompt_ids)
     first = req.stream_state is None
     chunk_id = req.chunk_id or chunk.request_id
-    call = StreamCall(tok, req.client, chunk, state, first, prompt_ids, chunk_id, parsing)
+    call = StreamCall(tok, client, chunk, state, first, prompt_ids, chunk_id, parsing)
     choices: list[Any] = []
     match = None
     if c is not None:

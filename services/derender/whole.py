@@ -70,7 +70,7 @@ def derender_chat(
     check_response(resp, tok, s)
     check_prompt_ids(req.prompt_token_ids, tok, s)
     prompt_ids = req.prompt_token_ids or resp.prompt_token_ids
-    request = req.chat_request
+    request = req.client
     parsing = ChatParsing.of(s.parsers, request, tok)
     opts = ChoiceOptions.of(request)
     opts = parsing.choice_options(opts) if parsing is not None else opts
@@ -189,7 +189,8 @@ def derender_completion(
 ) -> Completion:
     responses = _completion_responses(req, s)
     model = model_name(req.model, s)
-    request, opts = req.completion_request, ChoiceOptions.of(req.completion_request)
+    request = req.client
+    opts = ChoiceOptions.of(request)
     choices: list[CompletionChoice] = []
     prompt_total, completion_total = 0, 0
     for p, (r, ids, count) in enumerate(_with_prompts(req, responses, tok, s)):

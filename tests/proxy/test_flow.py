@@ -31,10 +31,12 @@ from tokenline.shared.errors import UpstreamError
 from tokenline.shared.kinds import CHAT, COMPLETION, DERENDER_FIRST_READS, DERENDER_READS
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
+    BATCH_ANSWER,
     CHAT_REQUEST,
     COMPLETION_REQUEST,
     JSON,
     RAW_STREAM_ANSWER,
+    BatchItemAnswer,
     ChatCompletionChunk,
     ChatStreamChoice,
     Delta,
@@ -221,6 +223,37 @@ def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
     assert flow.accept(0, c, RAW_STREAM_ANSWER.decode(JSON.encode(answer(3, None)))) is None
 
 
+def counted(
+    a: DerenderChatStreamResponse, tokens: int | None, shown: bool = True
+) -> BatchItemAnswer:
+    """`a` as an item of tokenline's batch answer reads, with `tokens` beside it."""
+    extra = {} if tokens is None else {"completion_tokens": tokens, "shown": shown}
+    return BATCH_ANSWER.decode(b"[" + JSON.encode({**msgspec.structs.asdict(a), **extra}) + b"]")[0]
+
+
+def test_a_batch_answer_is_read_by_the_counts_beside_it() -> None:
+    """tokenline's batch answers carry derender's counts beside the chunk and the state, which
+    the proxy then never parses again (but for the stream's model, once); an answer without
+    them (another derender) is read from its state and chunk, as a raw answer is."""
+    flow = stream_flow(n=1, prompts=1)
+    c = chunk(0, [7])
+    flow.call(0, c)
+    first = counted(answer(2, "ab"), 2)
+    emission = flow.accept(0, c, first)
+    assert emission is not None and emission.tokens == 2 and emission.chunk == first.chunk
+    assert flow.model == "tiny" and flow.call(0, c).state == first.stream_state
+    # counts beside the answer win over a state they would be read from (here: disagreeing)
+    beside = counted(answer(9, "cd"), 5)
+    emission = flow.accept(0, c, beside)
+    assert emission is not None and emission.tokens == 3
+    assert flow.progress[(0, 0)].completion_tokens == 5
+    assert flow.accept(0, c, counted(answer(5, "e"), 5, shown=False)) is None
+    plain = counted(answer(7, "ef"), None)
+    emission = flow.accept(0, c, plain)
+    assert emission is not None and emission.tokens == 2 and emission.chunk == plain.chunk
+    assert flow.accept(0, c, counted(answer(7, None), None)) is None
+
+
 def test_only_one_chunk_of_one_choice_without_usage_is_passed_on_as_it_came() -> None:
     """`passable`: what the proxy reads of a chunk it may pass on; anything else (several
     chunks, an in-band error, usage, several choices, no chunk at all) is decoded whole."""
@@ -262,6 +295,13 @@ def test_a_chunk_passed_on_carries_the_streams_id_and_index_for_derender_to_show
     fields = later.fields(None, lean=True)
     assert (fields["chunk_id"], fields["choice_offset"]) == ("req", 1)
     assert "chunk_id" not in first.fields(None, lean=True)
+    # its body joined from the prompt's prefix and the raw parts reads as the encoded fields
+    assert later.prefix is not None and first.prefix is None
+    assert payload in later.lean_json() and raw.stream_state in later.lean_json()
+    as_read = msgspec.json.decode(later.lean_json())
+    assert as_read == msgspec.json.decode(body)
+    assert flow.passed_on(1, head, payload).prefix is later.prefix  # made once per prompt
+    assert msgspec.json.decode(first.lean_json())["prompt_token_ids"] == [1, 2, 3]
     last = JSON.encode(chunk(0, [9], finish="length"))
     done = passable([last])
     assert done is not None

@@ -66,6 +66,8 @@ def answer_for(item: dict[str, object]) -> dict[str, object]:
     token = item["generate_chunk"]["choices"][0]["token_ids"][0]  # type: ignore[index]
     if token == 666:
         return {"error": {"message": "bad token", "type": "BadRequestError", "code": 400}}
+    if token == 777:
+        return {"chunk": {"choices": []}}  # neither an answer nor an error
     chunk = {
         "id": "x",
         "created": 0,
@@ -236,6 +238,18 @@ async def test_an_items_error_is_that_items_alone(client: Client) -> None:
         assert isinstance(results[1], UpstreamRejected) and results[1].status == 400
         assert [_content(r) for r in (results[0], results[2])] == ["1", "2"]
         assert pool.healthy() == pool.workers  # a request's fault never ejects a replica
+
+
+async def test_an_item_that_is_no_answer_fails_alone(client: Client) -> None:
+    """A batch item that is neither an answer nor an error is derender's failure for that
+    item (a 502 for its call); its neighbours have their answers."""
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, _):
+        results = await asyncio.gather(
+            *(transport.stream(call(t)) for t in (1, 777, 2)), return_exceptions=True
+        )
+        assert isinstance(results[1], UpstreamError) and results[1].status == 502
+        assert [_content(r) for r in (results[0], results[2])] == ["1", "2"]
 
 
 async def test_a_failing_replica_is_retried_elsewhere(client: Client) -> None:

@@ -117,8 +117,11 @@ def _chunk_call(ids: list[int], kind: str = "chat", **extra: Any) -> dict[str, A
 
 
 def _same_answer(a: dict[str, Any], b: dict[str, Any]) -> None:
-    """Equal but for the chunk's `created` second."""
-    a, b = dict(a), dict(b)
+    """A batch item's answer `a` equal to the single call's `b` but for the chunk's `created`
+    second, with what the proxy reads beside it (tokenline's batch answers)."""
+    a, b = dict(a), {k: v for k, v in b.items() if v is not None}
+    assert a.pop("completion_tokens") == b["stream_state"].get("completion_tokens", 0)
+    assert a.pop("shown") is bool(b["chunk"]["choices"])
     a["chunk"] = {k: v for k, v in a["chunk"].items() if k != "created"}
     b["chunk"] = {k: v for k, v in b["chunk"].items() if k != "created"}
     assert a == b
@@ -136,6 +139,12 @@ def test_batch_item_errors_are_their_own(derender_tiny: Server, tiny_tok: Any) -
         ({"stream": True}, 400, "generate_chunk", "required"),
         (_chunk_call([1], model="other"), 404, "model", "does not exist"),
         (7, 400, None, "Expected `object`"),
+        (  # the client request, read from the item when derender needs it, names its field
+            _chunk_call([1]) | {"chat_request": {"messages": [], "top_logprobs": "2"}},
+            400,
+            "chat_request.messages",
+            "length >= 1",
+        ),
     ]
     items = [good[0], *(b[0] for b in bad), good[1]]
     url = derender_tiny.url + "/v1/chat/completions/derender"
