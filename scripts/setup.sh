@@ -33,6 +33,9 @@ fi
 "$VENV/bin/python" -c "import nixl" 2>/dev/null || \
   "${PIP[@]}" install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
+# valgrind: the instruction-count bench (launch/bench/instructions.py) and its test; Debian's.
+command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
+
 # grpc: vLLM's gRPC generate server, for the generate-hop benchmark (launch/bench/grpc.py).
 "${PIP[@]}" install -e ".[dev,grpc]"
 # The installed layout (one import name, `tokenline`) as links, for mypy, which cannot follow

@@ -1,7 +1,8 @@
 """The benchmark tool's own pieces (not speed): a seeded mix, the generate double speaking the
 wire format, the closed loop's counting, the Markdown/JSON/PNG report, the exactness check's
-parsing and comparing, the gateway's and vLLM gRPC server's command lines, CPU accounting, and
-one short real run of the gateway target."""
+parsing and comparing, the gateway's and vLLM gRPC server's command lines, CPU accounting, one
+short real run of the gateway target, and the instruction-count bench (its parsing, its other
+checkout, one short real run under callgrind)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from aiohttp.test_utils import TestServer
 
 from tests.services.generate.test_launcher import thread_cores
 from tokenline.launch import servers
-from tokenline.launch.bench import cores, cpu, double, lineup, load, pipeline, relay
+from tokenline.launch.bench import cores, cpu, double, instructions, lineup, load, pipeline, relay
 from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.load import (
@@ -639,3 +640,64 @@ def test_rounds_take_turns_and_add_up(monkeypatch: Any) -> None:
     assert (b["target"], b["output_tokens"], b["requests_per_s"]) == ("b", 30, 15 / 0.6)
     split = cpu.Split(1.0, 2.0, (("proxy", 0.5),)) + cpu.Split(0.5, 0.5, (("proxy", 0.25),))
     assert split == cpu.Split(1.5, 2.5, (("proxy", 0.75),))
+
+
+def test_instruction_counts_are_read_from_a_callgrind_dump(tmp_path: Path) -> None:
+    dump = tmp_path / "proxy.123.2"
+    dump.write_text("events: Ir\nsummary: 4200\nfn=(1) f\n0 4200\ntotals: 4200\n")
+    assert instructions.totals(dump) == 4200
+    (tmp_path / "empty").write_text("events: Ir\n")
+    with pytest.raises(ValueError, match="no totals"):
+        instructions.totals(tmp_path / "empty")
+
+
+def test_against_runs_the_other_checkouts_code(tmp_path: Path) -> None:
+    """`--against DIR`: the services run DIR's `tokenline`, ahead of the installed one; a
+    folder that is no checkout is refused, naming what it lacks."""
+    tree = tmp_path / "tree"
+    for name in instructions.PACKAGES:
+        (tree / name).mkdir(parents=True)
+        (tree / name / "__init__.py").write_text("")
+    (tree / "proxy" / "marker.py").write_text("WHO = 'the other checkout'\n")
+    (tmp_path / "scratch").mkdir()
+    path = instructions.pythonpath(tree, tmp_path / "scratch")
+    code = "import tokenline.proxy.marker as m; print(m.WHO)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=path),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "the other checkout"
+    (tmp_path / "half").mkdir()
+    (tmp_path / "scratch2").mkdir()
+    with pytest.raises(SystemExit, match="no proxy/"):
+        instructions.pythonpath(tmp_path / "half", tmp_path / "scratch2")
+
+
+def test_instruction_bench_counts_a_real_proxy_and_derender() -> None:
+    """One short run for real, both services under callgrind: counts of a plausible size (the
+    proxy and derender each execute tens of thousands of instructions per token)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenline.launch.bench.instructions",
+            "--streams",
+            "4",
+            "--tokens",
+            "16",
+            "--rate",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if "this tree:" in x)
+    counts = [float(x.rstrip("k")) for x in line.split() if x.endswith("k")]
+    proxy, derender, total = counts
+    assert 20 < proxy < 2000 and 20 < derender < 2000, line  # thousands per token
+    assert total == pytest.approx(proxy + derender, abs=0.2)
