@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -286,15 +286,17 @@ class BatchedDerender(HttpDerender):
         for p, outcome in zip(batch, outcomes, strict=True):
             _settle(p, outcome)
 
-    async def _exchange(self, kind: Kind, body: bytes, items: int) -> list[BatchItemAnswer]:
+    async def _exchange(
+        self, kind: Kind, body: bytes, items: int
+    ) -> Sequence[BatchItemAnswer | ServiceError]:
         """A batch of `items` calls answered by a replica (read in one pass: each answer's
         chunk and state stay JSON): by another one if it fails or answers what is no answer to
         this batch (derender is pure)."""
 
-        async def once(worker: Worker) -> list[BatchItemAnswer]:
+        async def once(worker: Worker) -> Sequence[BatchItemAnswer | ServiceError]:
             with self.pool.lease(worker):
                 data = await self.sockets.exchange(worker, kind.name, body)
-            answers: list[BatchItemAnswer] = derendered(BATCH_ANSWER, data)
+            answers = _batch_answer(data)
             if len(answers) != items:
                 raise UpstreamError(f"derender answered {len(answers)} items to a batch of {items}")
             return answers
@@ -321,12 +323,37 @@ def closed() -> UpstreamUnavailable:
     return UpstreamUnavailable("the proxy's derender transport closed")
 
 
-def _item(answer: BatchItemAnswer) -> StreamAnswer | ServiceError:
-    """One item of a batch answer: derender's answer, or that item's own error."""
+def _batch_answer(data: bytes) -> Sequence[BatchItemAnswer | ServiceError]:
+    """A batch answer's items, read in one pass; when that fails, item by item, so that an
+    item derender garbled is that item's failure alone (a body that is no list is the batch's)."""
+    try:
+        return BATCH_ANSWER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raws: list[msgspec.Raw] = derendered(BATCH_ITEMS, data)
+    items: list[BatchItemAnswer | ServiceError] = []
+    for raw in raws:
+        try:
+            items.append(derendered(BATCH_ITEM, raw))
+        except ServiceError as exc:
+            items.append(exc)
+    return items
+
+
+BATCH_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+BATCH_ITEM = msgspec.json.Decoder(BatchItemAnswer)
+
+
+def _item(answer: BatchItemAnswer | ServiceError) -> StreamAnswer | ServiceError:
+    """One item of a batch answer: derender's answer, or that item's own error. The state is
+    copied out of the batch's buffer, which it would otherwise keep alive while the stream
+    holds it (until its next answer)."""
+    if isinstance(answer, ServiceError):
+        return answer
     error = answer.error
     if error is None:
         if not (answer.chunk and answer.stream_state):
             return UpstreamError("derender answered a batch item with neither answer nor error")
+        answer.stream_state = msgspec.Raw(bytes(answer.stream_state))
         return answer
     if 400 <= error.code < 500:
         return UpstreamRejected(error.code, ErrorEnvelope(error=error))

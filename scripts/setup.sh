@@ -34,7 +34,9 @@ fi
   "${PIP[@]}" install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
 # valgrind: the instruction-count bench (launch/bench/instructions.py) and its test; Debian's.
-command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
+# A failed install does not stop the setup: that one test then fails, naming valgrind.
+command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; } ||
+  echo "setup: valgrind could not be installed (the instruction bench's test will fail)" >&2
 
 # grpc: vLLM's gRPC generate server, for the generate-hop benchmark (launch/bench/grpc.py).
 "${PIP[@]}" install -e ".[dev,grpc]"

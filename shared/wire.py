@@ -694,14 +694,21 @@ def _cached(decode: Any) -> Any:
     cached = functools.lru_cache(maxsize=CLIENT_VIEWS)(decode)
 
     def view(field: str, raw: msgspec.Raw) -> Any:
-        if not raw:
+        data = bytes(raw)
+        if not data or data == b"null":  # not sent, or null: none (as the whole item decodes)
             return None
         try:
-            return cached(bytes(raw)) if len(raw) <= CLIENT_VIEW_BYTES else decode(raw)
+            return cached(data) if len(data) <= CLIENT_VIEW_BYTES else decode(data)
         except msgspec.ValidationError as exc:
-            raise msgspec.ValidationError(str(exc).replace("`$", f"`$.{field}", 1)) from None
+            raise msgspec.ValidationError(_under(field, str(exc))) from None
 
     return view
+
+
+def _under(field: str, message: str) -> str:
+    """msgspec's message for a value decoded alone, as it reads for the value at `field`."""
+    head, at, path = message.rpartition(" - at `$")
+    return f"{head}{at}.{field}{path}" if at else f"{message} - at `$.{field}`"
 
 
 class DerenderChatItem(DerenderChatRequest, kw_only=True):

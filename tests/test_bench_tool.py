@@ -679,24 +679,21 @@ def test_against_runs_the_other_checkouts_code(tmp_path: Path) -> None:
 def test_instruction_bench_counts_a_real_proxy_and_derender() -> None:
     """One short run for real, both services under callgrind: counts of a plausible size (the
     proxy and derender each execute tens of thousands of instructions per token)."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenline.launch.bench.instructions",
-            "--streams",
-            "4",
-            "--tokens",
-            "16",
-            "--rate",
-            "4",
-        ],
-        capture_output=True,
+    argv = [sys.executable, "-m", "tokenline.launch.bench.instructions"]
+    bench = subprocess.Popen(
+        [*argv, "--streams", "4", "--tokens", "16", "--rate", "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if "this tree:" in x)
+    try:
+        stdout, stderr = bench.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGINT)  # its `finally` stops the services it started
+        bench.communicate(timeout=120)
+        raise
+    assert bench.returncode == 0, stderr[-3000:]
+    line = next(x for x in stdout.splitlines() if "this tree:" in x)
     counts = [float(x.rstrip("k")) for x in line.split() if x.endswith("k")]
     proxy, derender, total = counts
     assert 20 < proxy < 2000 and 20 < derender < 2000, line  # thousands per token

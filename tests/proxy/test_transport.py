@@ -68,6 +68,8 @@ def answer_for(item: dict[str, object]) -> dict[str, object]:
         return {"error": {"message": "bad token", "type": "BadRequestError", "code": 400}}
     if token == 777:
         return {"chunk": {"choices": []}}  # neither an answer nor an error
+    if token == 888:  # an answer with a count that is no count
+        return {"chunk": {}, "stream_state": {}, "completion_tokens": "many", "shown": True}
     chunk = {
         "id": "x",
         "created": 0,
@@ -241,15 +243,17 @@ async def test_an_items_error_is_that_items_alone(client: Client) -> None:
 
 
 async def test_an_item_that_is_no_answer_fails_alone(client: Client) -> None:
-    """A batch item that is neither an answer nor an error is derender's failure for that
-    item (a 502 for its call); its neighbours have their answers."""
+    """A batch item that is neither an answer nor an error, or one that does not decode, is
+    derender's failure for that item (a 502 for its call); its neighbours have their answers."""
     fake = FakeDerender()
     async with batched(client, [fake]) as (transport, _):
         results = await asyncio.gather(
-            *(transport.stream(call(t)) for t in (1, 777, 2)), return_exceptions=True
+            *(transport.stream(call(t)) for t in (1, 777, 888, 2)), return_exceptions=True
         )
-        assert isinstance(results[1], UpstreamError) and results[1].status == 502
-        assert [_content(r) for r in (results[0], results[2])] == ["1", "2"]
+        for garbled in results[1:3]:
+            assert isinstance(garbled, UpstreamError) and garbled.status == 502, garbled
+        assert [_content(r) for r in (results[0], results[3])] == ["1", "2"]
+        assert fake.batches == [4]  # not retried: the others had their answers
 
 
 async def test_a_failing_replica_is_retried_elsewhere(client: Client) -> None:

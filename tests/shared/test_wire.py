@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import msgspec
 import pytest
 
 from tests.conftest import Fleet
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
 from tokenline.shared.wire import (
+    CLIENT_VIEW_BYTES,
     GENERATE_CHUNK,
     GENERATE_REQUEST,
     GENERATE_RESPONSE,
     JSON,
+    ChatCompletionRequest,
+    DerenderChatItem,
+    DerenderChatRequest,
+    DerenderCompletionItem,
+    DerenderCompletionRequest,
     GenerateRequest,
     SamplingParams,
     StreamOptions,
@@ -122,3 +131,45 @@ def test_stream_options_round_trip() -> None:
     )
     back = GENERATE_REQUEST.decode(JSON.encode(req))
     assert back.stream_options == StreamOptions(include_usage=True)
+
+
+def test_a_batch_items_client_request_is_decoded_once_and_names_its_field() -> None:
+    """Batch items (`DerenderChatItem`, `DerenderCompletionItem`) read their client request
+    when asked, each distinct one decoded once; null or absent is none, as the whole item
+    decodes it; an error names the field as a whole decode would, path or no path."""
+    item = b'{"stream": true, "chat_request": {"messages": [{"role": "user", "content": "x"}]}}'
+    one = msgspec.json.decode(item, type=DerenderChatItem)
+    two = msgspec.json.decode(item, type=DerenderChatItem)
+    assert isinstance(one.client, ChatCompletionRequest) and one.client is two.client
+    for absent in (b'{"chat_request": null}', b"{}"):
+        assert msgspec.json.decode(absent, type=DerenderChatItem).client is None
+    long = {"messages": [{"role": "user", "content": "x" * CLIENT_VIEW_BYTES}]}
+    big = msgspec.json.decode(msgspec.json.encode({"chat_request": long}), type=DerenderChatItem)
+    assert big.client is not big.client  # over the size kept: decoded with each read
+    chat = (DerenderChatItem, DerenderChatRequest)
+    completion = (DerenderCompletionItem, DerenderCompletionRequest)
+    cases = [
+        (b'{"chat_request": {"messages": []}}', chat, True),
+        (b'{"completion_request": {"prompt": 3.5}}', completion, True),
+        (b'{"chat_request": 7}', chat, False),  # "object", where the whole says "object | null"
+    ]
+    for body, (lazy, whole), same in cases:
+        with pytest.raises(msgspec.ValidationError) as whole_error:
+            msgspec.json.decode(body, type=whole)
+        with pytest.raises(msgspec.ValidationError) as lazy_error:
+            msgspec.json.decode(body, type=lazy).client  # noqa: B018
+        got, want = str(lazy_error.value), str(whole_error.value)
+        assert got == want if same else got.rpartition(" - at ")[2] == want.rpartition(" - at ")[2]
+
+
+def test_derender_reads_a_calls_client_request_only_through_client() -> None:
+    """A batch item's client field is raw JSON (`DerenderChatItem`): code that read
+    `chat_request` or `completion_request` directly would get bytes on the batch path only."""
+    root = Path(__file__).parents[2] / "services"
+    readers = [
+        f"{path.relative_to(root)}:{node.lineno}"
+        for path in root.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("chat_request", "completion_request")
+    ]
+    assert readers == []
