@@ -60,6 +60,16 @@ async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: 
     return delivered
 
 
+def proxy_args(render: Process, derender: Process, double: Process, transport: str) -> list[str]:
+    """`tokenline proxy` behind these render, derender and generate double servers."""
+    return [
+        "proxy",
+        "--open",
+        *("--render", render.url, "--derender", derender.url, "--decode", double.url),
+        *("--derender-transport", transport),
+    ]
+
+
 @dataclass
 class Target:
     """A measured front end (the relay floor, or a proxy and the derender behind it), its
@@ -150,17 +160,7 @@ def main() -> None:
         proxies = {}
         for transport in args.transports:
             proxy = servers.tokenline(
-                f"hop-proxy-{transport}",
-                "proxy",
-                "--open",
-                "--render",
-                render.url,
-                "--derender",
-                derender.url,
-                "--decode",
-                double.url,
-                "--derender-transport",
-                transport,
+                f"hop-proxy-{transport}", *proxy_args(render, derender, double, transport)
             )
             proxy.start().wait(30)
             started.append(proxy)

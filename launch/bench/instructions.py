@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenline.launch import servers
-from tokenline.launch.bench.hop import load
+from tokenline.launch.bench import hop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
@@ -107,29 +107,15 @@ def measure(args: argparse.Namespace, model: Path, env: dict[str, str], dumps: P
         derender = _counted("derender", dumps, env, "derender", *common)
         started.append(derender)
         derender.start().wait(START)
-        proxy = _counted(
-            "proxy",
-            dumps,
-            env,
-            "proxy",
-            "--open",
-            "--render",
-            render.url,
-            "--derender",
-            derender.url,
-            "--decode",
-            double.url,
-            "--derender-transport",
-            "batched",
-            "--derender-batch-wait",
-            "0.5",
-        )
+        wait = ("--derender-batch-wait", "0.5")  # every batch an engine step's chunks
+        proxy_args = hop.proxy_args(render, derender, double, "batched")
+        proxy = _counted("proxy", dumps, env, *proxy_args, *wait)
         started.append(proxy)
         proxy.start().wait(START)
         measured = [proxy, derender]
-        asyncio.run(load(proxy.url, args.streams, 8, args.streams, True))  # warm-up
+        asyncio.run(hop.load(proxy.url, args.streams, 8, args.streams, True))  # warm-up
         _dump(measured)  # the counters so far go to dump 1, and restart from zero
-        tokens = asyncio.run(load(proxy.url, args.streams, args.tokens, args.streams, True))
+        tokens = asyncio.run(hop.load(proxy.url, args.streams, args.tokens, args.streams, True))
         _dump(measured)  # the load alone: dump 2
         counts = [totals(dumps / f"{p.name}.{p.proc.pid}.2") for p in measured if p.proc]
         return Count(counts[0] / tokens, counts[1] / tokens)
