@@ -40,6 +40,8 @@ from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.limits import DERENDER_BATCH_ITEMS
 from tokenline.shared.wire import (
     BATCH_ANSWER,
+    BATCH_ITEM,
+    BATCH_ITEMS,
     JSON,
     RAW_STREAM_ANSWER,
     BatchItemAnswer,
@@ -337,10 +339,6 @@ def _batch_answer(data: bytes) -> Sequence[BatchItemAnswer | ServiceError]:
         except ServiceError as exc:
             items.append(exc)
     return items
-
-
-BATCH_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
-BATCH_ITEM = msgspec.json.Decoder(BatchItemAnswer)
 
 
 def _item(answer: BatchItemAnswer | ServiceError) -> StreamAnswer | ServiceError:

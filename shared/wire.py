@@ -688,12 +688,12 @@ CLIENT_VIEW_BYTES = 4096
 with each call."""
 
 
-def _cached(decode: Any) -> Any:
-    """`decode` of a client request, each distinct one decoded once (up to `CLIENT_VIEWS`); a
-    decode error names the field, as if the whole item had been decoded."""
+def _cached(decode: Any, field: str) -> Any:
+    """`decode` of the client request at `field`, each distinct one decoded once (up to
+    `CLIENT_VIEWS`); a decode error names the field, as if the whole item had been decoded."""
     cached = functools.lru_cache(maxsize=CLIENT_VIEWS)(decode)
 
-    def view(field: str, raw: msgspec.Raw) -> Any:
+    def view(raw: msgspec.Raw) -> Any:
         data = bytes(raw)
         if not data or data == b"null":  # not sent, or null: none (as the whole item decodes)
             return None
@@ -720,7 +720,7 @@ class DerenderChatItem(DerenderChatRequest, kw_only=True):
 
     @property
     def client(self) -> ChatCompletionRequest | None:
-        return _CHAT_VIEW("chat_request", self.chat_request)  # type: ignore[no-any-return]
+        return _CHAT_VIEW(self.chat_request)  # type: ignore[no-any-return]
 
 
 class DerenderCompletionItem(DerenderCompletionRequest, kw_only=True):
@@ -730,7 +730,7 @@ class DerenderCompletionItem(DerenderCompletionRequest, kw_only=True):
 
     @property
     def client(self) -> CompletionRequest | None:
-        return _COMPLETION_VIEW("completion_request", self.completion_request)  # type: ignore[no-any-return]
+        return _COMPLETION_VIEW(self.completion_request)  # type: ignore[no-any-return]
 
 
 class StopMatch(Wire, kw_only=True):
@@ -852,8 +852,8 @@ class ModelList(Wire, kw_only=True):
 JSON = msgspec.json.Encoder()
 CHAT_REQUEST = msgspec.json.Decoder(ChatCompletionRequest)
 COMPLETION_REQUEST = msgspec.json.Decoder(CompletionRequest)
-_CHAT_VIEW = _cached(CHAT_REQUEST.decode)
-_COMPLETION_VIEW = _cached(COMPLETION_REQUEST.decode)
+_CHAT_VIEW = _cached(CHAT_REQUEST.decode, "chat_request")
+_COMPLETION_VIEW = _cached(COMPLETION_REQUEST.decode, "completion_request")
 GENERATE_REQUEST = msgspec.json.Decoder(GenerateRequest)
 GENERATE_REQUESTS = msgspec.json.Decoder(list[GenerateRequest])
 GENERATE_RESPONSE = msgspec.json.Decoder(GenerateResponse)
@@ -862,6 +862,9 @@ GENERATE_CHUNK_HEAD = msgspec.json.Decoder(GenerateChunkHead)
 ERROR = msgspec.json.Decoder(ErrorEnvelope)
 RAW_STREAM_ANSWER = msgspec.json.Decoder(RawStreamAnswer)
 BATCH_ANSWER = msgspec.json.Decoder(list[BatchItemAnswer])
+BATCH_ITEMS = msgspec.json.Decoder(list[msgspec.Raw])
+"""A batch answer whose one-pass read failed, item by item (with `BATCH_ITEM`)."""
+BATCH_ITEM = msgspec.json.Decoder(BatchItemAnswer)
 CHUNK_HEAD = msgspec.json.Decoder(ChunkHead)
 STATE_COUNTS = msgspec.json.Decoder(StateCounts)
 CHAT_COMPLETION = msgspec.json.Decoder(ChatCompletion)
