@@ -1,0 +1,281 @@
+"""What a wake-up costs: derender's CPU per batch item when its batches come back to back
+against when they come paced, one per engine step, and a bare WebSocket echo the same two ways.
+
+The hop bench's derender spends ~2x per item what the same items cost it back to back (stop 32:
+50-60 against 22-30 us). Its work is the same either way; what differs is that, paced, the
+process sleeps between batches while others run, and each batch starts on cold caches (and on
+this VM, a halted virtual CPU). This bench measures that directly, on the real derender's batch
+socket (`shared/frames.py`), with batches the way the proxy builds them: one call per stream,
+each chained on the state the previous answer gave (a stream's first call carries its prompt).
+The echo (aiohttp on uvloop, answering each frame with its own bytes) shows the same two ways
+what the event loop and the socket alone cost per wake-up, whatever derender does.
+
+The load generator runs in this process and is not measured; each server's CPU is read from
+the kernel's per-thread run time (`/proc/<pid>/task/*/schedstat`, nanoseconds).
+
+    flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.wake \\
+        [--streams 16] [--rate 90] [--batches 600] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from tokenline.launch import servers
+from tokenline.launch.bench.client import on_uvloop
+from tokenline.launch.models.build import build
+from tokenline.launch.process import Process
+from tokenline.shared.frames import (
+    BATCH_SOCKET_PATH,
+    answer_frame,
+    call_frame,
+    read_answer,
+    read_call,
+)
+from tokenline.shared.http import run
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import BATCH_ANSWER
+
+ENCODE = msgspec.json.Encoder().encode
+WARMUP = 50
+"""Batches sent before each measured point (caches filled, every stream past its first call)."""
+ECHO_PATH = "/echo"
+PROMPT = 30
+"""Prompt tokens per stream."""
+
+
+@dataclass
+class Chain:
+    """One stream as the proxy carries it: its prompt, and the state derender last gave."""
+
+    prompt: list[int]
+    state: msgspec.Raw | None = None
+    tokens: int = 0
+    """Completion tokens derender has counted for the stream so far."""
+
+
+@dataclass
+class Batches:
+    """Chained batches of `streams` chat streams with top-2 logprobs, `tokens` each (then the
+    stream starts again), in the batched transport's JSON (`DerenderChatItem`)."""
+
+    streams: int
+    tokens: int
+    vocab: int
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    chains: list[Chain] = field(default_factory=list)
+    made: int = 0
+    """Completion tokens derender answered for, over every stream."""
+
+    def __post_init__(self) -> None:
+        self.chains = [self._fresh() for _ in range(self.streams)]
+
+    def _fresh(self) -> Chain:
+        return Chain([self.rng.randrange(1000, self.vocab) for _ in range(PROMPT)])
+
+    def body(self) -> bytes:
+        return ENCODE({"requests": [self._item(i, c) for i, c in enumerate(self.chains)]})
+
+    def _item(self, i: int, chain: Chain) -> dict[str, Any]:
+        first = chain.state is None
+        token = self.rng.randrange(1000, self.vocab)
+        other = self.rng.randrange(1000, self.vocab)
+        tops = [
+            {"token_id": token, "logprob": -0.5, "rank": 1},
+            {"token_id": other, "logprob": -1.5, "rank": 2},
+        ]
+        content = [{"token_id": token, "logprob": -0.5, "rank": 1, "top_logprobs": tops}]
+        messages = [{"role": "user", "content": "Tell me a story." if first else ""}]
+        return {
+            "stream": True,
+            "model": "tiny",
+            "prompt_token_ids": chain.prompt if first else None,
+            "prompt_tokens": PROMPT,
+            "chat_request": {"messages": messages, "logprobs": True, "top_logprobs": 2},
+            "chunk_id": f"chatcmpl-{i}",
+            "generate_chunk": {
+                "request_id": f"generate-tokens-{i}",
+                "choices": [{"index": 0, "token_ids": [token], "logprobs": {"content": content}}],
+            },
+            "stream_state": chain.state,
+        }
+
+    def take(self, answer: bytes) -> None:
+        """Each stream's next state from derender's answer; an item's error is the bench's."""
+        items = BATCH_ANSWER.decode(answer)
+        if len(items) != len(self.chains):
+            raise RuntimeError(f"derender answered {len(items)} items for {len(self.chains)}")
+        for n, (item, chain) in enumerate(zip(items, self.chains, strict=True)):
+            if item.error is not None or item.completion_tokens is None:
+                raise RuntimeError(f"derender failed item {n}: {item.error}")
+            self.made += item.completion_tokens - chain.tokens
+            chain.state, chain.tokens = (
+                msgspec.Raw(bytes(item.stream_state)),
+                item.completion_tokens,
+            )
+            if chain.tokens >= self.tokens:
+                self.chains[n] = self._fresh()
+
+
+def run_time(pid: int) -> float:
+    """Seconds process `pid` has run, every thread (the scheduler's count, in nanoseconds)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
+async def drive(
+    url: str, pid: int, batches: Batches, rate: float, count: int, echo: bool = False
+) -> float:
+    """CPU microseconds per item that the server at `url` (process `pid`) spends on `count`
+    batches, each sent when the previous is answered, and no sooner than `rate` per second
+    allows (0: at once). An `echo` answers the batch itself: the chains stay where they are."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.ws_connect(url, max_msg_size=1 << 26) as ws,
+    ):
+
+        async def exchange(call_id: int) -> None:
+            await ws.send_bytes(call_frame(call_id, "chat", batches.body()))
+            message = await ws.receive()
+            if message.type is not aiohttp.WSMsgType.BINARY:
+                raise RuntimeError(f"the socket answered {message.type!r}: {message.data!r}")
+            _, status, body = read_answer(message.data)
+            if status != 200:
+                raise RuntimeError(f"a batch answered {status}: {body[:300]!r}")
+            if not echo:
+                batches.take(body)
+
+        for n in range(WARMUP):
+            await exchange(n)
+        before, start = run_time(pid), time.perf_counter()
+        for n in range(count):
+            await exchange(n)
+            if rate and (wait := start + (n + 1) / rate - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+        return (run_time(pid) - before) / (count * batches.streams) * 1e6
+
+
+# --------------------------------------------------------------------------- the echo server
+
+
+def echo_app() -> web.Application:
+    """A WebSocket that answers each call frame with its own body (about as long as derender's
+    answer to it), framed as derender's answers are: the event loop and the socket, without
+    derender's work."""
+
+    async def echo(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse(max_msg_size=1 << 26)
+        await socket.prepare(request)
+        async for message in socket:
+            call_id, _, body = read_call(message.data)
+            await socket.send_bytes(answer_frame(call_id, 200, body))
+        return socket
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get(ECHO_PATH, echo)
+    app.router.add_get("/health", health)
+    return app
+
+
+def echo_server() -> Process:
+    port = servers.free_port()
+    argv = [sys.executable, "-m", "tokenline.launch.bench.wake", "--echo-port", str(port)]
+    return Process("wake-echo", argv, port, output=servers.log_file("wake-echo"))
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+@dataclass
+class Point:
+    """A server's CPU per item both ways, summed over the rounds."""
+
+    name: str
+    url: str
+    process: Process
+    at_once: list[float] = field(default_factory=list)
+    paced: list[float] = field(default_factory=list)
+
+    def line(self, streams: int) -> str:
+        at_once, paced = _mean(self.at_once), _mean(self.paced)
+        return (
+            f"  {self.name:>8}  back to back {at_once:6.1f} us CPU per item   "
+            f"paced {paced:6.1f} us   paced / back to back {paced / at_once:4.2f}x   "
+            f"each wake-up costs {(paced - at_once) * streams:5.0f} us more"
+        )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def measure(points: list[Point], args: argparse.Namespace, vocab: int) -> None:
+    """Every point both ways, in turns, `args.rounds` times."""
+    for _ in range(args.rounds):
+        for point in points:
+            assert point.process.proc is not None
+            pid = point.process.proc.pid
+            for rate, into in ((0.0, point.at_once), (args.rate, point.paced)):
+                batches = Batches(args.streams, args.tokens, vocab)
+                echo = point.name == "echo"
+                into.append(on_uvloop(drive(point.url, pid, batches, rate, args.batches, echo)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--streams", type=int, default=16, help="items per batch")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    parser.add_argument("--rate", type=float, default=90.0, help="paced batches per second")
+    parser.add_argument("--batches", type=int, default=600, help="batches per point")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--echo-port", type=int, help=argparse.SUPPRESS)  # the echo server
+    args = parser.parse_args()
+    if args.echo_port is not None:
+        run(echo_app(), "127.0.0.1", args.echo_port)
+        return
+    model = build("tiny", servers.build_dir() / "models" / "tiny")
+    common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
+    derender = servers.tokenline("wake-derender", "derender", *common)
+    echo = echo_server()
+    started = [derender, echo]
+    try:
+        servers.start_all(started, 120)
+        points = [
+            Point("derender", derender.url + BATCH_SOCKET_PATH, derender),
+            Point("echo", echo.url + ECHO_PATH, echo),
+        ]
+        measure(points, args, ModelTokenizer.load(model).vocab_size)
+        print(
+            f"\nwake-up cost: batches of {args.streams} chained chat items (top-2 logprobs), "
+            f"{args.batches} per point, back to back and paced at {args.rate:.0f} per second, "
+            f"{args.rounds} round(s) in turns"
+        )
+        for point in points:
+            print(point.line(args.streams))
+    finally:
+        for process in started:
+            process.stop()
+
+
+if __name__ == "__main__":
+    main()
