@@ -338,7 +338,7 @@ def field_defaults(struct: type[msgspec.Struct]) -> dict[str, Any]:
     return out
 
 
-class StreamCall(msgspec.Struct, frozen=True):
+class StreamCall(msgspec.Struct, frozen=True, gc=False):
     """One streaming derender call: a generate chunk with the state of the previous call
     (a Struct, not a dataclass: one is made per token, and a frozen dataclass's `__init__` cost
     ~1-2 us of the proxy's CPU per token).
@@ -441,7 +441,7 @@ class ChoiceProgress:
     """The engine's output so far: what a migration continues from (`proxy/migration.py`)."""
 
 
-class Emission(msgspec.Struct, frozen=True):
+class Emission(msgspec.Struct, frozen=True, gc=False):
     """A chunk for the client and the completion tokens it accounts for (for per-token ITL)."""
 
     chunk: ClientChunk | msgspec.Raw

@@ -6,7 +6,8 @@ reasons. Its whole memory is a `ChoiceState`, which round-trips through `Derende
 so that any replica can take the next chunk. Non-streaming is one `feed(..., final=True)`.
 
 The values here are msgspec Structs rather than dataclasses: a stream builds each of them once
-per chunk, and a Struct is built in C (the frozen ChoiceOptions dataclass took ~0.8 us to build).
+per chunk, and a Struct is built in C (the frozen ChoiceOptions dataclass took ~0.8 us to build),
+untracked by the cyclic garbage collector (`gc=False`, as the wire types: none holds itself).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tokenline.shared.wire import (
 )
 
 
-class ChoiceOptions(msgspec.Struct, frozen=True, kw_only=True):
+class ChoiceOptions(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What the original request says about turning tokens into text."""
 
     skip_special_tokens: bool = True
@@ -66,14 +67,14 @@ def _stops(stop: Stop) -> tuple[str, ...]:
     return tuple([s for s in stop if s]) if stop else ()
 
 
-class ReasoningCount(msgspec.Struct, frozen=True):
+class ReasoningCount(msgspec.Struct, frozen=True, gc=False):
     """A reasoning-token count in progress: the tokens counted and the open `<think>` spans."""
 
     tokens: int
     depth: int
 
 
-class ChoiceState(msgspec.Struct):
+class ChoiceState(msgspec.Struct, gc=False):
     detok: DetokState
     stop: StopState = msgspec.field(default_factory=StopState)
     context: list[int] = []
@@ -162,7 +163,7 @@ def _outside_vocabulary(name: str) -> InvalidStreamState:
     )
 
 
-class ChoiceOutput(msgspec.Struct):
+class ChoiceOutput(msgspec.Struct, gc=False):
     text: str
     token_ids: list[int]
     logprobs: list[GenerateLogProbsContent] | None
@@ -178,7 +179,7 @@ class ChoiceOutput(msgspec.Struct):
         return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
 
-class ChoiceDecoder(msgspec.Struct):
+class ChoiceDecoder(msgspec.Struct, gc=False):
     tok: ModelTokenizer
     options: ChoiceOptions
     state: ChoiceState

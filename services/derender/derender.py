@@ -62,7 +62,7 @@ from tokenline.shared.wire import (
 DerenderRequest = DerenderChatRequest | DerenderCompletionRequest
 
 
-class StreamCall(msgspec.Struct):
+class StreamCall(msgspec.Struct, gc=False):
     """One streaming call, as the per-kind pieces see it (a Struct: one is built per chunk)."""
 
     tok: ModelTokenizer

@@ -22,7 +22,7 @@ from tokenline.shared.limits import DETOK_MAX_WINDOW, DETOK_PROMPT_SEED, DETOK_S
 from tokenline.shared.tokenizer import ModelTokenizer
 
 
-class DetokState(msgspec.Struct):
+class DetokState(msgspec.Struct, gc=False):
     """`ids[:prefix]` is the text already emitted; `ids[prefix:]` is held back."""
 
     ids: list[int] = []

@@ -46,7 +46,7 @@ def find_stop(text: str, new_chars: int, stops: Sequence[str], include: bool) ->
     return Match(stop, end if include else start)
 
 
-class StopState(msgspec.Struct):
+class StopState(msgspec.Struct, gc=False):
     """What must survive between chunks: the text tail a match could still start in, and how
     much of it has not been sent yet (a Struct: one is built per chunk)."""
 

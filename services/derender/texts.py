@@ -35,7 +35,7 @@ from tokenline.shared.tokenizer import ModelTokenizer
 REPLACEMENT = "\ufffd"
 
 
-class Decoded(msgspec.Struct, frozen=True):
+class Decoded(msgspec.Struct, frozen=True, gc=False):
     """A logprob token's text and UTF-8 bytes (a Struct: a repaired token builds one)."""
 
     token: str

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 from pathlib import Path
 
 import msgspec
@@ -10,6 +11,8 @@ import pytest
 
 from tests.conftest import Fleet
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.services.derender.choice import ChoiceState
+from tokenline.services.derender.texts import Decoded
 from tokenline.shared.wire import (
     CLIENT_VIEW_BYTES,
     GENERATE_CHUNK,
@@ -21,6 +24,7 @@ from tokenline.shared.wire import (
     DerenderChatRequest,
     DerenderCompletionItem,
     DerenderCompletionRequest,
+    DerenderStreamState,
     GenerateRequest,
     SamplingParams,
     StreamOptions,
@@ -173,3 +177,23 @@ def test_derender_reads_a_calls_client_request_only_through_client() -> None:
         if isinstance(node, ast.Attribute) and node.attr in ("chat_request", "completion_request")
     ]
     assert readers == []
+
+
+def test_per_token_structs_stay_out_of_the_garbage_collector() -> None:
+    """A stream builds and decodes several Structs per token on each side: none is tracked by
+    the cyclic GC (`gc=False`: they never hold themselves, and tracking made every allocation
+    link into the GC's list, and every collection walk them). Their lists still are."""
+    chunk = GENERATE_CHUNK.decode(
+        b'{"request_id":"r","choices":[{"index":0,"token_ids":[5],"logprobs":{"content":'
+        b'[{"token_id":5,"logprob":-0.5,"top_logprobs":[{"token_id":5,"logprob":-0.5}]}]}}]}'
+    )
+    choice = chunk.choices[0]
+    assert choice.logprobs is not None
+    entry = choice.logprobs.content[0]
+    for value in (chunk, choice, choice.logprobs, entry, entry.top_logprobs[0]):
+        assert not gc.is_tracked(value), type(value).__name__
+    assert gc.is_tracked(chunk.choices)
+    state = DerenderStreamState(detok_ids=[1, 2])
+    assert not gc.is_tracked(state)
+    assert not gc.is_tracked(ChoiceState.start([1, 2]))
+    assert not gc.is_tracked(Decoded("a", [97]))
