@@ -130,7 +130,8 @@ class Batches:
 
 
 def run_time(pid: int) -> float:
-    """Seconds process `pid` has run, every thread (the scheduler's count, in nanoseconds)."""
+    """Seconds process `pid` has run, every thread together (the scheduler's own count, kept
+    in nanoseconds, where `/proc/<pid>/stat` counts clock ticks)."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
