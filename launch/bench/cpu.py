@@ -8,8 +8,11 @@ tokens of that point it gives CPU per token, comparable across targets in one ru
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tokenline.launch.process import Process
@@ -61,6 +64,23 @@ def _tree(process: Process) -> list[tuple[str, float]]:
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+def run_time(pid: int) -> float:
+    """Seconds process `pid` has run, every thread together, as the scheduler counts it (in
+    nanoseconds, from `/proc/<pid>/task/*/schedstat`): for points too short for `sample`'s
+    clock ticks (10 ms each). The kernel brings a thread's count up to date when it stops
+    running, so this process's own is read from its CPU clock instead (its running thread's
+    count may lag by a whole tick)."""
+    if pid == os.getpid():
+        return time.process_time()
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def sample(front: Sequence[Process], server: Process | None) -> Split:

@@ -11,7 +11,7 @@ The echo (aiohttp on uvloop, answering each frame with its own bytes) shows the 
 what the event loop and the socket alone cost per wake-up, whatever derender does.
 
 The load generator runs in this process and is not measured; each server's CPU is read from
-the kernel's per-thread run time (`/proc/<pid>/task/*/schedstat`, nanoseconds).
+the kernel's per-thread run time (`cpu.run_time`, in nanoseconds).
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.wake \\
         [--streams 16] [--rate 90] [--batches 600] [--rounds 2]
@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,6 +32,7 @@ import msgspec
 from aiohttp import web
 
 from tokenline.launch import servers
+from tokenline.launch.bench import cpu
 from tokenline.launch.bench.client import on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
@@ -129,18 +128,6 @@ class Batches:
                 self.chains[n] = self._fresh()
 
 
-def run_time(pid: int) -> float:
-    """Seconds process `pid` has run, every thread together (the scheduler's own count, kept
-    in nanoseconds, where `/proc/<pid>/stat` counts clock ticks)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-    return total / 1e9
-
-
 async def drive(
     url: str, pid: int, batches: Batches, rate: float, count: int, echo: bool = False
 ) -> float:
@@ -165,12 +152,12 @@ async def drive(
 
         for n in range(WARMUP):
             await exchange(n)
-        before, start = run_time(pid), time.perf_counter()
+        before, start = cpu.run_time(pid), time.perf_counter()
         for n in range(count):
             await exchange(n)
             if rate and (wait := start + (n + 1) / rate - time.perf_counter()) > 0:
                 await asyncio.sleep(wait)
-        return (run_time(pid) - before) / (count * batches.streams) * 1e6
+        return (cpu.run_time(pid) - before) / (count * batches.streams) * 1e6
 
 
 # --------------------------------------------------------------------------- the echo server
@@ -214,6 +201,8 @@ class Point:
     name: str
     url: str
     process: Process
+    echoes: bool = False
+    """It answers each batch with the batch itself (the chains then stay where they are)."""
     at_once: list[float] = field(default_factory=list)
     paced: list[float] = field(default_factory=list)
 
@@ -238,8 +227,8 @@ def measure(points: list[Point], args: argparse.Namespace, vocab: int) -> None:
             pid = point.process.proc.pid
             for rate, into in ((0.0, point.at_once), (args.rate, point.paced)):
                 batches = Batches(args.streams, args.tokens, vocab)
-                echo = point.name == "echo"
-                into.append(on_uvloop(drive(point.url, pid, batches, rate, args.batches, echo)))
+                measured = drive(point.url, pid, batches, rate, args.batches, point.echoes)
+                into.append(on_uvloop(measured))
 
 
 def main() -> None:
@@ -263,7 +252,7 @@ def main() -> None:
         servers.start_all(started, 120)
         points = [
             Point("derender", derender.url + BATCH_SOCKET_PATH, derender),
-            Point("echo", echo.url + ECHO_PATH, echo),
+            Point("echo", echo.url + ECHO_PATH, echo, echoes=True),
         ]
         measure(points, args, ModelTokenizer.load(model).vocab_size)
         print(
