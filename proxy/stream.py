@@ -118,13 +118,18 @@ class Streaming:
         """Every prompt's chunks to `out` as derender answers them, then the usage chunk if
         asked for; raises the first failure (the other prompts are cancelled, which aborts
         their engine runs, as does cancelling this)."""
+        failure: Exception | None = None
         try:
             async with asyncio.TaskGroup() as group:
                 for p, gen in enumerate(self.flow.gens):
                     group.create_task(self._prompt(p, gen))
         except* Exception as eg:
-            # the first failure stands for the request (a bug is logged and becomes a 500)
-            raise as_service_error(eg.exceptions[0]) from None
+            # the first failure stands for the request (a bug is logged and becomes a 500);
+            # raised after the block: Python 3.11.0-3.11.3 wrap what an except* clause raises
+            # in a new group
+            failure = eg.exceptions[0]
+        if failure is not None:
+            raise as_service_error(failure) from None
         if (final := self.flow.final_chunk()) is not None:
             await self.out.send([final])
 
