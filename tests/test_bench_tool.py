@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -161,6 +162,13 @@ RATES = (("monolithic", 1.25, None), ("engine", 2.0, None), ("tokenline", 1.0, 1
 RATES += (("gateway", 0.8, 50.0),)
 
 
+def test_interpreter_names_this_python_and_its_libpython() -> None:
+    named = cpu.interpreter()
+    assert named.startswith(f"Python {platform.python_version()} (")
+    linked = "libpython" in Path("/proc/self/maps").read_text()
+    assert named.endswith("libpython shared)" if linked else "libpython linked in)")
+
+
 def test_report_files(tmp_path: Path) -> None:
     cases = {"chat, streamed": {"tokenline": {"text": None, "logprobs": None}}}
     cases["chat, streamed"]["gateway"] = {"text": None, "logprobs": "13 entries, vLLM 24 entries"}
@@ -180,6 +188,9 @@ def test_report_files(tmp_path: Path) -> None:
     assert "100% with top-2 logprobs, asking for 16, 64 or 128 tokens." in mixed
     fixed = markdown({**result, "chat_share": 1, "logprobs_share": 1, "max_tokens": 16})
     assert "100% with top-2 logprobs, every one asking for 16 tokens." in fixed
+    assert "ran on" not in text  # no interpreter recorded, none named
+    python = "Python 3.11.2 (/usr/bin/python3.11, libpython linked in)"
+    assert f"tokenline and vLLM ran on {python}." in markdown({**result, "interpreter": python})
     assert "tokenline/monolithic: output tokens/s 0.80x" in text
     assert "tokenline/engine: output tokens/s 0.50x" in text
     assert "tokenline/gateway: output tokens/s 1.25x" in text

@@ -9,6 +9,8 @@ tokens of that point it gives CPU per token, comparable across targets in one ru
 from __future__ import annotations
 
 import os
+import platform
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,3 +109,13 @@ def per_token(used: Split, tokens: int, has_front: bool) -> dict[str, Any]:
         "cpu_server_us": used.server * us,
         "cpu_core_us": used.core * us,
     }
+
+
+def interpreter() -> str:
+    """The Python every process of the run is started with, and how its libpython is linked: a
+    shared libpython (pyenv's default build) cost the Python tiers ~15% more CPU per token than
+    one linked into the executable (stop 33), so figures from the two do not compare."""
+    maps = Path("/proc/self/maps")
+    shared = maps.exists() and "libpython" in maps.read_text()
+    how = "libpython shared" if shared else "libpython linked in"
+    return f"Python {platform.python_version()} ({os.path.realpath(sys.executable)}, {how})"

@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "sequential": sequential,
         "cores": split.to_json() if split is not None else None,
+        "interpreter": cpu.interpreter(),
         "skipped": lineup_plan.skipped,
         "points": points,
     }

@@ -145,6 +145,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"load) on {_cores(split['front'])}.",
             "",
         ]
+    if python := result.get("interpreter"):
+        lines += [f"tokenline and vLLM ran on {python}.", ""]
     for name, why in result.get("skipped", {}).items():
         lines += [f"{name}: not measured ({why})", ""]
     for level in levels:
