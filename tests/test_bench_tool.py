@@ -162,11 +162,21 @@ RATES = (("monolithic", 1.25, None), ("engine", 2.0, None), ("tokenline", 1.0, 1
 RATES += (("gateway", 0.8, 50.0),)
 
 
-def test_interpreter_names_this_python_and_its_libpython() -> None:
+def test_interpreter_names_this_python_and_how_its_libpython_is_linked() -> None:
     named = cpu.interpreter()
     assert named.startswith(f"Python {platform.python_version()} (")
-    linked = "libpython" in Path("/proc/self/maps").read_text()
-    assert named.endswith("libpython shared)" if linked else "libpython linked in)")
+    assert named.endswith(("libpython shared)", "libpython linked in)"))
+    pyenv = (
+        "7f97770000-7f97780000 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f97780000-7f97790000 r-xp 00000000 08:01 456 "
+        "/root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0\n"
+    )
+    assert cpu.libpython_linking(pyenv) == "libpython shared"
+    debian = "5600-5700 r-xp 00000000 08:01 789 /usr/bin/python3.11\n"
+    assert cpu.libpython_linking(debian) == "libpython linked in"
+    assert cpu.libpython_linking("5600-5700 r-xp 00000000 08:01 7 /srv/libpython-notes/x\n") == (
+        "libpython linked in"  # a folder of that name is no library
+    )
 
 
 def test_report_files(tmp_path: Path) -> None:

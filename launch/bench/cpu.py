@@ -116,6 +116,11 @@ def interpreter() -> str:
     shared libpython (pyenv's default build) cost the Python tiers ~15% more CPU per token than
     one linked into the executable (stop 33), so figures from the two do not compare."""
     maps = Path("/proc/self/maps")
-    shared = maps.exists() and "libpython" in maps.read_text()
-    how = "libpython shared" if shared else "libpython linked in"
+    how = libpython_linking(maps.read_text() if maps.exists() else "")
     return f"Python {platform.python_version()} ({os.path.realpath(sys.executable)}, {how})"
+
+
+def libpython_linking(maps: str) -> str:
+    """How a process's libpython is linked, from its memory map (`/proc/PID/maps`)."""
+    shared = any(line.rsplit("/", 1)[-1].startswith("libpython") for line in maps.splitlines())
+    return "libpython shared" if shared else "libpython linked in"
