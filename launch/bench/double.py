@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenline.shared.http import run
+from tokenline.shared.served import health
 
 DONE = b"data: [DONE]\n\n"
 
@@ -117,9 +118,6 @@ def make_app(vocab: int, tokens_per_second: float, lockstep: bool = False) -> we
             )
         await resp.write(DONE)
         return resp
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
 
     async def abort(request: web.Request) -> web.Response:
         return web.Response()

@@ -25,6 +25,7 @@ from aiohttp import web
 from tokenline.proxy.h1 import Client
 from tokenline.proxy.upstream import GENERATE_PATH, SseEvents
 from tokenline.shared.http import run
+from tokenline.shared.served import health
 
 DONE = b"data: [DONE]\n\n"
 PROMPT = [1, 2, 3]
@@ -79,9 +80,6 @@ def make_app(decode: str) -> web.Application:
             await upstream.read()  # the body's end, so that the connection is kept
         await response.write(DONE)
         return response
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
 
     app = web.Application()
     app.cleanup_ctx.append(client_ctx)

@@ -44,6 +44,7 @@ from tokenline.shared.frames import (
     read_call,
 )
 from tokenline.shared.http import run
+from tokenline.shared.served import health
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import BATCH_ANSWER
 
@@ -175,9 +176,6 @@ def echo_app() -> web.Application:
             call_id, _, body = read_call(message.data)
             await socket.send_bytes(answer_frame(call_id, 200, body))
         return socket
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
 
     app = web.Application()
     app.router.add_get(ECHO_PATH, echo)
