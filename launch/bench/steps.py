@@ -16,10 +16,13 @@ core's load, not tokenline's requests, and not vLLM's share of that core's CPU.
 run: before each of tokenline's turns its services' threads are put under the next policy in
 turn (`--cpu-policy`; the order rotates each round), the engine alone between. Stop 30 found
 the engine's steps fuller under SCHED_BATCH in every pair, and vLLM's TTFT lower.
+`--server-policies batch normal` does the same with vLLM's server (`tokenline generate
+--cpu-policy`; the engine alone's turns take the policy the turn before left). tokenline's
+turns also print its services' CPU per output token.
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.steps \\
         [--turns 3] [--seconds 15] [--concurrency 16] [--no-split-cores] \\
-        [--cpu-policies batch normal]
+        [--cpu-policies batch normal] [--server-policies batch normal]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 from typing import get_args
 
 from tokenline.launch import servers
-from tokenline.launch.bench import cores, lineup, load
+from tokenline.launch.bench import cores, cpu, lineup, load
 from tokenline.launch.bench.metrics import (
     HOP,
     PREFILL,
@@ -41,6 +44,7 @@ from tokenline.launch.bench.metrics import (
     Watched,
 )
 from tokenline.launch.models.build import build
+from tokenline.services.generate.launcher import set_server_policy
 from tokenline.shared.cpu import CpuPolicy
 
 
@@ -58,12 +62,14 @@ def _turn(
     label: str = "",
 ) -> int:
     ours = running.target.name == "tokenline"
+    before = cpu.sample(running.front, None)
     with watched.window() as deltas:
         point = asyncio.run(
             load.closed_loop(
                 running.target, mix, args.concurrency, args.seconds, running.target.name, first
             )
         )
+    used = cpu.sample(running.front, None) - before
     summary, engine, proxy = point.summary(), deltas["engine"], deltas["proxy"]
     steps = engine.mean(STEP_TOKENS)
     parts = [
@@ -79,6 +85,9 @@ def _turn(
         parts.append("proxy TTFT " + _ms(proxy, "tokenline_proxy_time_to_first_token_seconds"))
         for hop in ("render", "derender"):
             parts.append(f"{hop} " + _ms(proxy, HOP, f'hop="{hop}"'))
+        tokens = int(summary["output_tokens"])
+        per_process = cpu.per_token(used, tokens, True)["cpu_front_parts_us"].items()
+        parts.append("CPU us/token " + ", ".join(f"{n} {us:.0f}" for n, us in per_process))
     print(" | ".join(parts), flush=True)
     return first + len(point.samples)
 
@@ -96,6 +105,13 @@ def main() -> None:
         default=[],
         help="tokenline's turns under each policy in turn (its front end's --cpu-policy)",
     )
+    parser.add_argument(
+        "--server-policies",
+        nargs="+",
+        choices=get_args(CpuPolicy),
+        default=[],
+        help="tokenline's turns with vLLM's server under each policy in turn (default: batch)",
+    )
     args = parser.parse_args()
     split = None if args.no_split_cores else cores.Split.of(os.sched_getaffinity(0))
     if split is not None:
@@ -110,12 +126,21 @@ def main() -> None:
         for target in (ours, alone):  # a warm-up turn each, not printed
             asyncio.run(load.closed_loop(target.target, mix, args.concurrency, 3.0, "warm-up"))
         first = 0
-        policies: list[CpuPolicy | None] = args.cpu_policies or [None]  # None: left as is
+        # (front end's, server's) policy per pair of turns; None: left as is
+        pairs: list[tuple[CpuPolicy | None, CpuPolicy | None]] = [
+            (front, server)
+            for front in args.cpu_policies or [None]
+            for server in args.server_policies or [None]
+        ]
         for turn in range(args.turns):
-            for policy in policies[turn % len(policies) :] + policies[: turn % len(policies)]:
-                if policy is not None:
-                    cores.set_policy(ours.front, policy)
-                label = "" if policy is None else f"[{policy}]"
+            for front, server in pairs[turn % len(pairs) :] + pairs[: turn % len(pairs)]:
+                if front is not None:
+                    cores.set_policy(ours.front, front)
+                if server is not None:
+                    assert ours.server.proc is not None
+                    set_server_policy(ours.server.proc.pid, server)
+                named = (("front", front), ("server", server))
+                label = "".join(f"[{name} {p}]" for name, p in named if p is not None)
                 first = _turn(ours, watched, mix, args, first, label)
                 first = _turn(alone, watched, mix, args, first)
 
