@@ -16,13 +16,11 @@ core's load, not tokenline's requests, and not vLLM's share of that core's CPU.
 run: before each of tokenline's turns its services' threads are put under the next policy in
 turn (`--cpu-policy`; the order rotates each round), the engine alone between. Stop 30 found
 the engine's steps fuller under SCHED_BATCH in every pair, and vLLM's TTFT lower.
-`--server-policies batch normal` does the same with vLLM's server (`tokenline generate
---cpu-policy`; the engine alone's turns take the policy the turn before left). tokenline's
-turns also print its services' CPU per output token.
+tokenline's turns also print its services' CPU per output token.
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.steps \\
         [--turns 3] [--seconds 15] [--concurrency 16] [--no-split-cores] \\
-        [--cpu-policies batch normal] [--server-policies batch normal]
+        [--cpu-policies batch normal]
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ from tokenline.launch.bench.metrics import (
     Watched,
 )
 from tokenline.launch.models.build import build
-from tokenline.services.generate.launcher import set_server_policy
 from tokenline.shared.cpu import CpuPolicy
 
 
@@ -105,13 +102,6 @@ def main() -> None:
         default=[],
         help="tokenline's turns under each policy in turn (its front end's --cpu-policy)",
     )
-    parser.add_argument(
-        "--server-policies",
-        nargs="+",
-        choices=get_args(CpuPolicy),
-        default=[],
-        help="tokenline's turns with vLLM's server under each policy in turn (default: batch)",
-    )
     args = parser.parse_args()
     split = None if args.no_split_cores else cores.Split.of(os.sched_getaffinity(0))
     if split is not None:
@@ -126,21 +116,12 @@ def main() -> None:
         for target in (ours, alone):  # a warm-up turn each, not printed
             asyncio.run(load.closed_loop(target.target, mix, args.concurrency, 3.0, "warm-up"))
         first = 0
-        # (front end's, server's) policy per pair of turns; None: left as is
-        pairs: list[tuple[CpuPolicy | None, CpuPolicy | None]] = [
-            (front, server)
-            for front in args.cpu_policies or [None]
-            for server in args.server_policies or [None]
-        ]
+        policies: list[CpuPolicy | None] = args.cpu_policies or [None]  # None: left as is
         for turn in range(args.turns):
-            for front, server in pairs[turn % len(pairs) :] + pairs[: turn % len(pairs)]:
-                if front is not None:
-                    cores.set_policy(ours.front, front)
-                if server is not None:
-                    assert ours.server.proc is not None
-                    set_server_policy(ours.server.proc.pid, server)
-                named = (("front", front), ("server", server))
-                label = "".join(f"[{name} {p}]" for name, p in named if p is not None)
+            for policy in policies[turn % len(policies) :] + policies[: turn % len(policies)]:
+                if policy is not None:
+                    cores.set_policy(ours.front, policy)
+                label = "" if policy is None else f"[{policy}]"
                 first = _turn(ours, watched, mix, args, first, label)
                 first = _turn(alone, watched, mix, args, first)
 
