@@ -82,9 +82,10 @@ def _turn(
         parts.append("proxy TTFT " + _ms(proxy, "tokenline_proxy_time_to_first_token_seconds"))
         for hop in ("render", "derender"):
             parts.append(f"{hop} " + _ms(proxy, HOP, f'hop="{hop}"'))
-        tokens = int(summary["output_tokens"])
-        per_process = cpu.per_token(used, tokens, True)["cpu_front_parts_us"].items()
-        parts.append("CPU us/token " + ", ".join(f"{n} {us:.0f}" for n, us in per_process))
+        # a turn without tokens has no figure per token (`per_token` gives no parts then)
+        per_process = cpu.per_token(used, int(summary["output_tokens"]), True)
+        shown = per_process.get("cpu_front_parts_us", {}).items()
+        parts.append("CPU us/token " + (", ".join(f"{n} {us:.0f}" for n, us in shown) or "-"))
     print(" | ".join(parts), flush=True)
     return first + len(point.samples)
 
