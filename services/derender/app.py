@@ -22,7 +22,13 @@ from prometheus_client import Counter
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.services.derender.config import DerenderConfig
-from tokenline.services.derender.derender import DerenderRequest, derender
+from tokenline.services.derender.derender import (
+    PIECES,
+    DerenderRequest,
+    Pieces,
+    derender,
+    derender_stream,
+)
 from tokenline.services.derender.detokenize import detokenize
 from tokenline.services.derender.texts import token_texts
 from tokenline.shared.errors import (
@@ -74,10 +80,10 @@ class DerenderState:
         """One call's answer: a small stream chunk inline, anything larger in a thread."""
         return await self.run(KIND_DERENDER[kind.name], req, _inline(req, tokens))
 
-    def answer_now(self, kind: Kind, req: DerenderRequest) -> Any:
-        """One call's answer, on this thread (no coroutine: a batch item that is small enough
-        to decode inline should not pay two of them)."""
-        return KIND_DERENDER[kind.name](req, self.tok, self.settings)
+    def stream_now(self, pieces: Pieces, req: DerenderRequest) -> DerenderStreamResponse[Any]:
+        """A small streaming call's answer, on this thread (what `derender` gives it, without
+        the two calls on the way there, which a batch item would pay for every token)."""
+        return derender_stream(pieces, req, self.tok, self.settings)
 
     def count(self, chunks: int, tokens: int) -> None:
         if chunks:
@@ -156,6 +162,7 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
     that cost more than a small chunk's whole derender."""
     answers: list[Any] = []
     chunks = tokens = 0
+    pieces = PIECES[kind.name]
     try:
         for item in items:
             try:
@@ -163,7 +170,7 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
                 n = _tokens(req)
                 chunks, tokens = chunks + req.stream, tokens + n
                 if _inline(req, n):
-                    answer = state.answer_now(kind, req)
+                    answer = state.stream_now(pieces, req)
                 else:
                     answer = await state.answer(kind, req, n)
                 answers.append(_counted(answer) if req.stream else answer)

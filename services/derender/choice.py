@@ -217,7 +217,8 @@ class ChoiceDecoder(msgspec.Struct, gc=False):
         detok = Detokenizer(
             self.tok, opts.skip_special_tokens, opts.spaces_between_special_tokens, state.detok
         )
-        skip_last = self._is_stop_token(ids, finish_reason, stop_reason)
+        # (the tests that need no call first: a chunk that does not end its stream is the usual)
+        skip_last = finish_reason == "stop" and self._is_stop_token(ids, finish_reason, stop_reason)
         if opts.stops or state.stop.unsent:
             kept, matched, text = self._stop_checked(detok, ids, skip_last, finish_reason)
         else:  # no stop strings and nothing held back: every token's text is sent at once
@@ -231,7 +232,7 @@ class ChoiceDecoder(msgspec.Struct, gc=False):
             token_ids=ids[:kept],
             logprobs=None if logprobs is None else logprobs[:kept],
             finish_reason=finish_reason,
-            stop_reason=self._public_reason(stop_reason),
+            stop_reason=None if stop_reason is None else self._public_reason(stop_reason),
             stop_string=matched,
             text_offset=state.text_offset,
             context=state.context,  # not copied: the state gets a new list below

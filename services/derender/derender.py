@@ -51,7 +51,6 @@ from tokenline.shared.wire import (
     DerenderChatRequest,
     DerenderCompletionRequest,
     DerenderStreamResponse,
-    DerenderStreamState,
     GenerateStreamChoice,
     GenerateStreamChunk,
     StopMatch,
@@ -185,7 +184,7 @@ def _chat_chunk(
         model=model,
         choices=choices,
         usage=usage,
-        prompt_token_ids=_first_ids(call),
+        prompt_token_ids=_first_ids(call) if call.first else None,
     )
 
 
@@ -223,35 +222,16 @@ def _chunk_of(
         )
     for c in chunk.choices:
         check_choice(c, tok, s, whole=False)
-    check_prompt_ids(chunk.prompt_token_ids, tok, s)
+    if chunk.prompt_token_ids is not None:  # (a generate stream's first chunk alone)
+        check_prompt_ids(chunk.prompt_token_ids, tok, s)
     if isinstance(chunk.prompt_logprobs, list):
         check_prompt_logprobs(chunk.prompt_logprobs, chunk.request_id, tok, s)
     return chunk, (chunk.choices[0] if chunk.choices else None)
 
 
-def _stream_state(
-    wire: DerenderStreamState | None,
-    tok: ModelTokenizer,
-    opts: ChoiceOptions,
-    prompt_ids: list[int] | None,
-) -> ChoiceState:
-    if wire is None:
-        return ChoiceState.start(prompt_ids)
-    return ChoiceState.from_wire(wire, tok, opts)
-
-
-def _stop_match(out: ChoiceOutput, state: ChoiceState) -> StopMatch | None:
-    if out.stop_string is None:
-        return None
-    return StopMatch(stop=out.stop_string, completion_tokens=state.completion_tokens)
-
-
-def _stream_usage(req: DerenderRequest, chunk: GenerateStreamChunk) -> Usage | None:
-    if chunk.usage is None:
-        return None
+def _stream_usage(req: DerenderRequest, usage: Usage) -> Usage:
     given = req.prompt_tokens if isinstance(req.prompt_tokens, int) else None
-    prompt = prompt_count(given, chunk.usage, None)
-    return usage_of(prompt, chunk.usage.completion_tokens or 0)
+    return usage_of(prompt_count(given, usage, None), usage.completion_tokens or 0)
 
 
 @dataclass(frozen=True)
@@ -278,20 +258,22 @@ def derender_stream(
         if isinstance(req, DerenderChatRequest)
         else _stream_prompt_ids(req.prompt_token_ids)
     )
-    check_prompt_ids(prompt_ids, tok, s)
+    if prompt_ids is not None:  # (a choice's first call alone carries them)
+        check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
     # the client request read once: a batch item decodes it when read
     client: ChatCompletionRequest | CompletionRequest | None
     if isinstance(req, DerenderChatRequest):
         chat = req.client
-        client, parsing = chat, ChatParsing.of(s.parsers, chat, tok)
+        client, parsing = chat, ChatParsing.of(s.parsers, chat, tok) if s.parsers.any else None
     else:
         client, parsing = req.client, None
     opts = ChoiceOptions.of(client)
     opts = parsing.choice_options(opts) if parsing is not None else opts
     prompt_ids = prompt_ids or chunk.prompt_token_ids
-    state = _stream_state(req.stream_state, tok, opts, prompt_ids)
-    first = req.stream_state is None
+    wire = req.stream_state
+    first = wire is None
+    state = ChoiceState.start(prompt_ids) if first else ChoiceState.from_wire(wire, tok, opts)
     chunk_id = req.chunk_id or chunk.request_id
     call = StreamCall(tok, client, chunk, state, first, prompt_ids, chunk_id, parsing)
     choices: list[Any] = []
@@ -300,9 +282,11 @@ def derender_stream(
         out = decode_choice(tok, opts, state, c)
         if not state.stopped or out.stop_string is not None:
             choices.append(pieces.stream_choice(call, c.index + req.choice_offset, out))
-        match = _stop_match(out, state)
+        if out.stop_string is not None:
+            match = StopMatch(stop=out.stop_string, completion_tokens=state.completion_tokens)
+    usage = None if chunk.usage is None else _stream_usage(req, chunk.usage)
     return DerenderStreamResponse(
-        chunk=pieces.stream_chunk(call, model, choices, _stream_usage(req, chunk)),
+        chunk=pieces.stream_chunk(call, model, choices, usage),
         stream_state=state.to_wire(),
         stop_match=match,
     )

@@ -60,7 +60,14 @@ class Detokenizer:
         self.state = state
 
     def feed(self, token_id: int) -> str:
-        text = self._step(token_id) if self._shows(token_id) else ""
+        # An ID the tokenizer drops before decoding (a skipped special token, a padding row)
+        # shows nothing: leaving it out of the window changes no text, as in DecodeStream,
+        # whose window would only grow with it. (Tested inline: this runs for every token.)
+        tok = self.tok
+        shows = token_id < tok.tokenizer_size and not (
+            self.skip_special_tokens and token_id in tok.special_ids
+        )
+        text = self._step(token_id) if shows else ""
         if self.skip_special_tokens or self.spaces_between_special_tokens:
             return text
         # vLLM's quirk for spaces_between_special_tokens=False: a special token right after
@@ -71,17 +78,9 @@ class Detokenizer:
         self.state.last_special = special is not None
         return text
 
-    def _shows(self, token_id: int) -> bool:
-        """False for an ID the tokenizer drops before decoding (a skipped special token, a
-        padding row): leaving it out of the window changes no text, as in DecodeStream, whose
-        window would only grow with it."""
-        if token_id >= self.tok.tokenizer_size:
-            return False
-        return not (self.skip_special_tokens and token_id in self.tok.special_ids)
-
     def _step(self, token_id: int) -> str:
         state = self.state
-        if state.held == 0 and (own := self.texts.own_text(token_id)) is not None:
+        if len(state.ids) == state.prefix and (own := self.texts.own_text(token_id)) is not None:
             # nothing held back: the window's text ends on a character boundary, and this
             # token's bytes are whole characters (`texts.py`): what the general path computes
             state.ids, state.prefix = [token_id], 1

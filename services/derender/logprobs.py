@@ -109,10 +109,16 @@ class LogprobResolver:
     ) -> list[ChatLogprob]:
         """`top`: how many candidates to show (None: all; 0: none), the first ones in order."""
         out = []
+        known = self.known
         for e in entries:
             tops = e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]
-            sampled = self._decoded(e.token_id)
-            alts = [self._top(t) for t in tops]
+            # `_decoded` and `_top` inline for a token that shows the same in any context (the
+            # usual one): this loop runs for every candidate of every token
+            sampled = known.get(e.token_id) or self._decoded(e.token_id)
+            alts = []
+            for t in tops:
+                d = known.get(t.token_id) or self._decoded(t.token_id)
+                alts.append(TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes))
             out.append(
                 ChatLogprob(
                     token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
