@@ -472,8 +472,11 @@ class StreamFlow:
     needs the prompt), each encoded once."""
     continuous_usage: bool = field(init=False)
     """Every chunk carries usage (`stream_options.continuous_usage_stats`)."""
+    n: int = field(init=False)
+    """Choices per prompt (an attribute, not a property: every passed-on chunk reads it)."""
 
     def __post_init__(self) -> None:
+        self.n = self.gens[0].sampling_params.n
         self.view = DerenderView.of(self.kind, self.client)
         self.first_views = [self._first_view(p) for p in range(len(self.gens))]
         opts = self.client.stream_options
@@ -492,10 +495,6 @@ class StreamFlow:
     @property
     def gens(self) -> list[GenerateRequest]:
         return self.rendered.gens
-
-    @property
-    def n(self) -> int:
-        return self.gens[0].sampling_params.n
 
     def call(self, p: int, chunk: GenerateStreamChunk, urgent: bool = False) -> StreamCall | None:
         """The derender call for a chunk of prompt `p` (None: its choice is already over)."""
@@ -547,7 +546,7 @@ class StreamFlow:
             self.client.model,
             chunk,
             state,
-            self.gens[p].token_ids,
+            self.rendered.gens[p].token_ids,
             view.raw,
             view.request,
             view.lean,

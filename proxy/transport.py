@@ -266,11 +266,13 @@ class BatchedDerender(HttpDerender):
                 await self._answer(kind, *parts[0])
             else:
                 await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
-        finally:  # cancelled (the transport closing): what is still unanswered is given up
-            self.answering.difference_update(batch)
+        except BaseException:  # cancelled (the transport closing): the unanswered are given up
             gone = closed()
             for p in batch:
                 _settle(p, gone)
+            raise
+        finally:  # (answered, every call heard its outcome in `_answer`, or `_bodies`'s 413)
+            self.answering.difference_update(batch)
 
     async def _answer(self, kind: Kind, batch: list[_Pending], body: bytes) -> None:
         """One request body's calls answered (or failed together, if the whole body fails);
