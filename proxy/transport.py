@@ -267,12 +267,13 @@ class BatchedDerender(HttpDerender):
             else:
                 await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
         except BaseException:  # cancelled (the transport closing): the unanswered are given up
+            self.answering.difference_update(batch)
             gone = closed()
             for p in batch:
                 _settle(p, gone)
             raise
-        finally:  # (answered, every call heard its outcome in `_answer`, or `_bodies`'s 413)
-            self.answering.difference_update(batch)
+        # answered: every call heard its outcome (in `_answer`, or `_bodies`'s 413), and none is
+        # `answering` any more (`_answer` took its calls out before they heard)
 
     async def _answer(self, kind: Kind, batch: list[_Pending], body: bytes) -> None:
         """One request body's calls answered (or failed together, if the whole body fails);

@@ -217,7 +217,7 @@ class ChoiceDecoder(msgspec.Struct, gc=False):
         detok = Detokenizer(
             self.tok, opts.skip_special_tokens, opts.spaces_between_special_tokens, state.detok
         )
-        # (the tests that need no call first: a chunk that does not end its stream is the usual)
+        # the cheap test first, without a call: most chunks do not end their stream
         skip_last = finish_reason == "stop" and self._is_stop_token(ids, finish_reason, stop_reason)
         if opts.stops or state.stop.unsent:
             kept, matched, text = self._stop_checked(detok, ids, skip_last, finish_reason)
