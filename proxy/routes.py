@@ -48,9 +48,6 @@ def sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-SSE_FRAMING = len(sse(b""))
-
-
 def events(chunks: list[Any]) -> bytes:
     """Chunks as consecutive SSE events (a chunk that is JSON already as it is)."""
     if len(chunks) == 1:  # a stream's usual write: one chunk, one copy
@@ -154,12 +151,8 @@ class EventStream:
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():
             return False
-        if len(chunks) == 1 and self.chunked:  # the usual: one event framed in one copy
-            payload = _json(chunks[0])
-            transport.write(b"%x\r\ndata: %b\n\n\r\n" % (len(payload) + SSE_FRAMING, payload))
-        else:
-            data = events(chunks)
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        data = events(chunks)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return not protocol.writing_paused
 
     async def serve(self, run: Awaitable[None]) -> web.StreamResponse:

@@ -184,15 +184,6 @@ class ChoiceDecoder(msgspec.Struct, gc=False):
     options: ChoiceOptions
     state: ChoiceState
 
-    def _is_stop_token(self, ids: list[int], finish: str | None, reason: StopReason) -> bool:
-        """The last ID is an EOS/stop token that the text leaves out (vLLM's stop_terminated)."""
-        return (
-            bool(ids)
-            and finish == "stop"
-            and not isinstance(reason, str)
-            and not self.options.include_stop_str_in_output
-        )
-
     def _public_reason(self, reason: StopReason) -> StopReason:
         """A tokens-only engine reports its primary EOS as stop_reason; vLLM with a tokenizer
         reports None for it. Clients see the latter."""
@@ -217,8 +208,13 @@ class ChoiceDecoder(msgspec.Struct, gc=False):
         detok = Detokenizer(
             self.tok, opts.skip_special_tokens, opts.spaces_between_special_tokens, state.detok
         )
-        # the cheap test first, without a call: most chunks do not end their stream
-        skip_last = finish_reason == "stop" and self._is_stop_token(ids, finish_reason, stop_reason)
+        # the last ID is an EOS/stop token that the text leaves out (vLLM's stop_terminated)
+        skip_last = (
+            finish_reason == "stop"
+            and bool(ids)
+            and not isinstance(stop_reason, str)
+            and not opts.include_stop_str_in_output
+        )
         if opts.stops or state.stop.unsent:
             kept, matched, text = self._stop_checked(detok, ids, skip_last, finish_reason)
         else:  # no stop strings and nothing held back: every token's text is sent at once
@@ -232,7 +228,7 @@ class ChoiceDecoder(msgspec.Struct, gc=False):
             token_ids=ids[:kept],
             logprobs=None if logprobs is None else logprobs[:kept],
             finish_reason=finish_reason,
-            stop_reason=None if stop_reason is None else self._public_reason(stop_reason),
+            stop_reason=self._public_reason(stop_reason),
             stop_string=matched,
             text_offset=state.text_offset,
             context=state.context,  # not copied: the state gets a new list below

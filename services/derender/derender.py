@@ -184,7 +184,7 @@ def _chat_chunk(
         model=model,
         choices=choices,
         usage=usage,
-        prompt_token_ids=_first_ids(call) if call.first else None,
+        prompt_token_ids=_first_ids(call),
     )
 
 
@@ -222,8 +222,7 @@ def _chunk_of(
         )
     for c in chunk.choices:
         check_choice(c, tok, s, whole=False)
-    if chunk.prompt_token_ids is not None:  # (a generate stream's first chunk alone)
-        check_prompt_ids(chunk.prompt_token_ids, tok, s)
+    check_prompt_ids(chunk.prompt_token_ids, tok, s)
     if isinstance(chunk.prompt_logprobs, list):
         check_prompt_logprobs(chunk.prompt_logprobs, chunk.request_id, tok, s)
     return chunk, (chunk.choices[0] if chunk.choices else None)
@@ -258,14 +257,13 @@ def derender_stream(
         if isinstance(req, DerenderChatRequest)
         else _stream_prompt_ids(req.prompt_token_ids)
     )
-    if prompt_ids is not None:  # (a choice's first call alone carries them)
-        check_prompt_ids(prompt_ids, tok, s)
+    check_prompt_ids(prompt_ids, tok, s)
     chunk, c = _chunk_of(req, tok, s)
     # the client request read once: a batch item decodes it when read
     client: ChatCompletionRequest | CompletionRequest | None
     if isinstance(req, DerenderChatRequest):
         chat = req.client
-        client, parsing = chat, ChatParsing.of(s.parsers, chat, tok) if s.parsers.any else None
+        client, parsing = chat, ChatParsing.of(s.parsers, chat, tok)
     else:
         client, parsing = req.client, None
     opts = ChoiceOptions.of(client)

@@ -29,10 +29,6 @@ class DetokState(msgspec.Struct, gc=False):
     prefix: int = 0
     last_special: bool = False
 
-    @property
-    def held(self) -> int:
-        return len(self.ids) - self.prefix
-
 
 def seed(prompt_ids: list[int] | None) -> DetokState:
     tail = list((prompt_ids or [])[-DETOK_PROMPT_SEED:])
