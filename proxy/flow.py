@@ -24,7 +24,6 @@ from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     CHUNK_HEAD,
     GENERATE_CHUNK,
-    GENERATE_CHUNK_HEAD,
     JSON,
     STATE_COUNTS,
     BatchItemAnswer,
@@ -33,7 +32,7 @@ from tokenline.shared.wire import (
     CompletionChunk,
     CompletionRequest,
     DerenderStreamState,
-    GenerateChunkHead,
+    GenerateChoiceHead,
     GenerateLogProbs,
     GenerateRequest,
     GenerateResponse,
@@ -50,8 +49,9 @@ ClientRequest = ChatCompletionRequest | CompletionRequest
 ClientChunk = ChatCompletionChunk | CompletionChunk
 
 
-ReadChunk: TypeAlias = GenerateStreamChunk | GenerateChunkHead
-"""A generate chunk as the proxy read it: whole, or only what it needs of it (`passable`)."""
+ReadChoice: TypeAlias = GenerateStreamChoice | GenerateChoiceHead
+"""A generate chunk's choice as the proxy knows it: decoded whole, or as derender read the chunk
+the proxy passed on unread (`StreamFlow.passed_on`), only what the proxy needs of it."""
 StreamAnswer = Any
 """`RawStreamAnswer`, or a decoded `DerenderChatStreamResponse` /
 `DerenderCompletionStreamResponse` (binary transports)."""
@@ -245,20 +245,6 @@ def generate_chunk(payload: bytes) -> GenerateStreamChunk:
     if payload.startswith(b'{"error"'):
         raise UpstreamError(f"decode failed mid-stream: {payload[:500].decode(errors='replace')}")
     return GENERATE_CHUNK.decode(payload)
-
-
-def passable(payloads: list[bytes]) -> GenerateChunkHead | None:
-    """What the proxy reads of a read's one generate chunk that can go to tokenline's derender
-    as it came (`StreamFlow.passed_on`): one choice, no usage (the proxy counts it). None for
-    anything else (several chunks, an in-band error, a chunk it cannot read), which the caller
-    decodes whole, as always."""
-    if len(payloads) != 1:
-        return None
-    try:  # an in-band error (`generate_chunk`) reads as a head without choices
-        head = GENERATE_CHUNK_HEAD.decode(payloads[0])
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    return head if len(head.choices) == 1 and head.usage is None else None
 
 
 def merge_chunks(chunks: list[GenerateStreamChunk]) -> list[GenerateStreamChunk]:
@@ -507,16 +493,21 @@ class StreamFlow:
         shaped = self._shaped(p, chunk, prompt_logprobs)
         return self._stream_call(p, shaped, prog.state, view, urgent=urgent)
 
-    def passed_on(self, p: int, head: GenerateChunkHead, payload: bytes) -> StreamCall | None:
-        """`call` for a chunk of prompt `p` passed on as it came (`passable`), for tokenline's
-        derender: the chunk is neither decoded whole nor encoded again. A choice's first call
-        carries what only it shows (the prompt, its logprobs), so it is `call`'s, with the
-        chunk decoded whole (which raises what `generate_chunk` raises). None: the choice is
-        already over."""
-        prog = self.progress.get((p, head.choices[0].index))
-        if prog is None or prog.state is None:
-            return self.call(p, generate_chunk(payload))
-        if prog.finished:
+    def passed_on(self, p: int, payload: bytes) -> StreamCall | None:
+        """`call` for the next chunk of prompt `p`, passed on to tokenline's derender as it
+        came, unread: derender parses it, and its answer says what the proxy needs of it
+        (`BatchStreamAnswer.generate_choice`). Only for a stream of one choice whose first call
+        was made (that call carries what only it shows: the prompt, its logprobs) and that is
+        not over, and never for an in-band error; None otherwise: the caller decodes the chunk
+        and goes on as always."""
+        prog = self.progress.get((p, 0))
+        if (
+            prog is None
+            or prog.state is None
+            or prog.finished
+            or self.n != 1
+            or payload.startswith(b'{"error"')
+        ):
             return None
         raw, prefix = msgspec.Raw(payload), self.prefixes.get(p)
         call = self._stream_call(
@@ -572,10 +563,9 @@ class StreamFlow:
             prompt_logprobs=prompt_logprobs or chunk.prompt_logprobs,
         )
 
-    def accept(self, p: int, chunk: ReadChunk, answer: StreamAnswer) -> Emission | None:
-        """Derender's answer to `call(p, chunk)`: the chunk for the client, if it has choices
-        (derender's own JSON when nothing in it needs changing)."""
-        choice = chunk.choices[0]
+    def accept(self, p: int, choice: ReadChoice, answer: StreamAnswer) -> Emission | None:
+        """Derender's answer to the call for a chunk of prompt `p` with `choice`: the chunk for
+        the client, if it has choices (derender's own JSON when nothing in it needs changing)."""
         prog = self.progress[(p, choice.index)]
         prog.generated += choice.token_ids or ()
         prog.state = answer.stream_state
@@ -614,9 +604,9 @@ class StreamFlow:
         prog = self.progress.get((p, 0))
         return [] if prog is None else prog.generated
 
-    def over(self, p: int, chunk: ReadChunk) -> bool:
-        """The choice of `chunk` (of prompt `p`, accepted) is over."""
-        return self.progress[(p, chunk.choices[0].index)].finished
+    def over(self, p: int, index: int) -> bool:
+        """Choice `index` of prompt `p` (accepted) is over."""
+        return self.progress[(p, index)].finished
 
     def prompt_done(self, p: int) -> bool:
         states = [self.progress.get((p, i)) for i in range(self.n)]

@@ -18,12 +18,13 @@ flight to be answered and written (`settled`), so the order of events is the tas
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tokenline.proxy.flow import ReadChunk, StreamCall, generate_chunk, merge_chunks, passable
+from tokenline.proxy.flow import ReadChoice, StreamCall, generate_chunk, merge_chunks
 from tokenline.proxy.h1 import Response
 from tokenline.proxy.transport import Submitted
-from tokenline.shared.errors import ServiceError
+from tokenline.shared.errors import ServiceError, UpstreamError
+from tokenline.shared.wire import GENERATE_CHUNK_HEAD, GenerateStreamChunk
 
 if TYPE_CHECKING:
     from tokenline.proxy.stream import Streaming
@@ -36,8 +37,9 @@ class Pump:
         self.streaming = streaming
         self.p = p
         self.resp: Response | None = None
-        self.chunk: ReadChunk | None = None
-        """The chunk whose derender call is in flight."""
+        self.chunk: GenerateStreamChunk | bytes | None = None
+        """The chunk whose derender call is in flight: decoded, or passed on unread (its
+        payload)."""
         self.call: Submitted | None = None
         self.given_back: list[bytes] = []
         self.failure: BaseException | None = None
@@ -71,12 +73,16 @@ class Pump:
         self.resp.hold()
         self.call = streaming.hops.derender.submit(call, self._answered)
 
-    def _call(self, payloads: list[bytes]) -> tuple[ReadChunk, StreamCall | None] | None:
+    def _call(
+        self, payloads: list[bytes]
+    ) -> tuple[GenerateStreamChunk | bytes, StreamCall | None] | None:
         """A read's one chunk and its derender call (None: the choice is over). A chunk goes
-        on as it came when the transport takes it so; None: the read is not one chunk."""
+        on unread when the transport takes it so; None: the read is not one chunk."""
         flow = self.streaming.flow
-        if self.streaming.hops.derender.passes_chunks and (head := passable(payloads)):
-            return head, flow.passed_on(self.p, head, payloads[0])
+        if self.streaming.hops.derender.passes_chunks and len(payloads) == 1:
+            call = flow.passed_on(self.p, payloads[0])
+            if call is not None:
+                return payloads[0], call
         chunks = merge_chunks([generate_chunk(x) for x in payloads])
         if len(chunks) != 1:
             return None
@@ -97,11 +103,11 @@ class Pump:
                 self._fail(outcome)
                 return
             streaming, p = self.streaming, self.p
-            out = streaming.accepted(p, chunk, outcome)
-            room = True
-            if out is not None:
-                room = streaming.out.send_now([out])
-            if not room or streaming.flow.over(p, chunk):  # one choice: the prompt is done
+            choice = read_choice(chunk, outcome)  # None: nothing to show, nothing changed
+            out = None if choice is None else streaming.accepted(p, choice, outcome)
+            room = True if out is None else streaming.out.send_now([out])
+            # one choice: when it is over, the prompt is done
+            if not room or (choice is not None and streaming.flow.over(p, choice.index)):
                 self._stop()
             elif self.resp is not None:
                 self.resp.release()  # may feed (and call) again, at once
@@ -139,3 +145,19 @@ class Pump:
     def _stop(self) -> None:
         if self.resp is not None:
             self.resp.untap()
+
+
+def read_choice(chunk: GenerateStreamChunk | bytes, answer: Any) -> ReadChoice | None:
+    """The choice of a pumped chunk (None: it has none): decoded, or for a chunk passed on
+    unread, as derender read it (`BatchStreamAnswer.generate_choice`); a derender that does not
+    say (older than this proxy, or the chunk had no choice) leaves it to be read here. A pumped
+    stream has one choice: the engine sending another is its fault."""
+    if not isinstance(chunk, bytes):
+        return chunk.choices[0]
+    choice: ReadChoice | None = answer.generate_choice
+    if choice is None:
+        head = GENERATE_CHUNK_HEAD.decode(chunk)
+        choice = head.choices[0] if head.choices else None
+    if choice is not None and choice.index != 0:
+        raise UpstreamError(f"generate sent choice {choice.index} in a stream of one choice")
+    return choice

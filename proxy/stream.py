@@ -24,7 +24,7 @@ from tokenline.proxy.flow import (
     ClientChunk,
     ClientRequest,
     HopHeaders,
-    ReadChunk,
+    ReadChoice,
     Rendered,
     StreamFlow,
     engine_request,
@@ -381,11 +381,12 @@ class Streaming:
         call = self.flow.call(p, chunk, urgent)
         if call is None:
             return None
-        return self.accepted(p, chunk, await self.hops.derender.stream(call))
+        return self.accepted(p, chunk.choices[0], await self.hops.derender.stream(call))
 
-    def accepted(self, p: int, chunk: ReadChunk, answer: Any) -> Outgoing | None:
-        """Derender's answer for a chunk of prompt `p`: what the client gets, if anything."""
-        emission = self.flow.accept(p, chunk, answer)
+    def accepted(self, p: int, choice: ReadChoice, answer: Any) -> Outgoing | None:
+        """Derender's answer for a chunk of prompt `p` with `choice`: what the client gets, if
+        anything."""
+        emission = self.flow.accept(p, choice, answer)
         if emission is None:
             return None
         now = time.perf_counter()

@@ -436,7 +436,8 @@ class GenerateStreamChunk(Wire, kw_only=True):
 
 
 class GenerateChoiceHead(Wire, kw_only=True):
-    """What the proxy reads of a generate chunk's choice it passes on as it came."""
+    """What the proxy needs of a generate chunk's choice it passes on as it came: read from
+    the chunk, or from derender's answer (`BatchStreamAnswer.generate_choice`)."""
 
     index: NonNegative
     finish_reason: str | None = None
@@ -444,9 +445,9 @@ class GenerateChoiceHead(Wire, kw_only=True):
 
 
 class GenerateChunkHead(Wire, kw_only=True):
-    """What the proxy reads of a generate chunk it passes on to tokenline's derender as it
-    came (the batched transport): derender parses the chunk, the proxy only these fields
-    (the logprobs, the bulk of it, are skipped unread)."""
+    """What the proxy reads of a generate chunk it passed on to a derender that did not say
+    what the chunk held (`BatchStreamAnswer.generate_choice`; one older than the proxy): only
+    these fields (the logprobs, the bulk of it, are skipped unread)."""
 
     usage: Usage | None = None
     choices: list[GenerateChoiceHead] = []
@@ -645,7 +646,7 @@ class DerenderChatRequest(Wire, kw_only=True):
     chunk_id: str | None = None
     """tokenline extension: the id a stream chunk's answer shows instead of
     `generate_chunk.request_id`, and `choice_offset`, added to each choice's index. The proxy
-    then passes generate's chunk on as it came (`GenerateChunkHead`), not rewritten."""
+    then passes generate's chunk on as it came, unread and not rewritten."""
     choice_offset: NonNegative = 0
 
     @property
@@ -785,6 +786,10 @@ class BatchStreamAnswer(Wire, Generic[ChunkT], kw_only=True, omit_defaults=True)
     reasoning_tokens: int | None = None
     shown: bool
     """The chunk has choices (one the client gets)."""
+    generate_choice: GenerateChoiceHead | None = None
+    """The generate chunk's choice as derender read it (None: the chunk had none): its index,
+    finish reason and token IDs, which a proxy that passed the chunk on unread needs (it then
+    never parses a chunk itself)."""
 
 
 class BatchItemAnswer(Wire, kw_only=True):
@@ -800,6 +805,7 @@ class BatchItemAnswer(Wire, kw_only=True):
     completion_tokens: int | None = None
     reasoning_tokens: int | None = None
     shown: bool = True
+    generate_choice: GenerateChoiceHead | None = None
     error: ErrorInfo | None = None
 
 

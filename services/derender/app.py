@@ -49,6 +49,8 @@ from tokenline.shared.wire import (
     JSON,
     BatchStreamAnswer,
     DerenderStreamResponse,
+    GenerateChoiceHead,
+    GenerateStreamChunk,
 )
 
 T = TypeVar("T")
@@ -173,7 +175,7 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
                     answer = state.stream_now(pieces, req)
                 else:
                     answer = await state.answer(kind, req, n)
-                answers.append(_counted(answer) if req.stream else answer)
+                answers.append(_counted(answer, req.generate_chunk) if req.stream else answer)
             except Exception as exc:
                 answers.append(as_service_error(exc).to_wire())
     finally:
@@ -181,9 +183,18 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
     return answers
 
 
-def _counted(answer: DerenderStreamResponse[Any]) -> BatchStreamAnswer[Any]:
-    """A streaming item's answer with its counts beside it, for the proxy to read in one pass."""
+def _counted(
+    answer: DerenderStreamResponse[Any], chunk: GenerateStreamChunk
+) -> BatchStreamAnswer[Any]:
+    """A streaming item's answer with its counts and the generate chunk's choice beside it,
+    for the proxy to read in one pass (and never to parse the chunk it passed on)."""
     state = answer.stream_state
+    read = None
+    if chunk.choices:  # one at most: a streaming call with more is refused
+        c = chunk.choices[0]
+        read = GenerateChoiceHead(
+            index=c.index, finish_reason=c.finish_reason, token_ids=c.token_ids
+        )
     return BatchStreamAnswer(
         chunk=answer.chunk,
         stream_state=state,
@@ -191,6 +202,7 @@ def _counted(answer: DerenderStreamResponse[Any]) -> BatchStreamAnswer[Any]:
         completion_tokens=state.completion_tokens,
         reasoning_tokens=state.reasoning_tokens,
         shown=bool(answer.chunk.choices),
+        generate_choice=read,
     )
 
 

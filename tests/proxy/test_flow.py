@@ -20,7 +20,6 @@ from tokenline.proxy.flow import (
     engine_request,
     generate_chunk,
     merge_chunks,
-    passable,
     prefill_request,
     prompt_request,
     public_id,
@@ -51,7 +50,6 @@ from tokenline.shared.wire import (
     PromptLogprob,
     SamplingParams,
     StopMatch,
-    Usage,
 )
 
 
@@ -198,7 +196,7 @@ def test_choices_are_remapped_across_prompts_and_n() -> None:
     assert call.chunk.choices[0].index == 3  # prompt 1, choice 1, n = 2
     assert call.chunk.request_id == "req" and call.chunk.usage is None
     assert call.chunk.choices[0].token_ids == [7]
-    emission = flow.accept(1, c, answer(1, "a", index=3))
+    emission = flow.accept(1, c.choices[0], answer(1, "a", index=3))
     assert emission is not None
     assert emission.chunk.choices[0].index == 3
     assert emission.chunk.id == "req" and emission.tokens == 1
@@ -212,7 +210,7 @@ def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
     c = chunk(0, [7])
     flow.call(0, c)
     raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(2, "ab")))
-    emission = flow.accept(0, c, raw)
+    emission = flow.accept(0, c.choices[0], raw)
     assert emission is not None and emission.tokens == 2
     assert emission.chunk == raw.chunk  # not re-encoded
     again = flow.call(0, chunk(0, [8]))
@@ -220,7 +218,9 @@ def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
     assert again.fields(None, lean=True)["prompt_token_ids"] is None  # first call only
     assert again.fields(None)["prompt_token_ids"] == [1, 2, 3]  # vLLM's derender: always
     assert flow.progress[(0, 0)].completion_tokens == 2
-    assert flow.accept(0, c, RAW_STREAM_ANSWER.decode(JSON.encode(answer(3, None)))) is None
+    assert (
+        flow.accept(0, c.choices[0], RAW_STREAM_ANSWER.decode(JSON.encode(answer(3, None)))) is None
+    )
 
 
 def counted(
@@ -239,56 +239,35 @@ def test_a_batch_answer_is_read_by_the_counts_beside_it() -> None:
     c = chunk(0, [7])
     flow.call(0, c)
     first = counted(answer(2, "ab"), 2)
-    emission = flow.accept(0, c, first)
+    emission = flow.accept(0, c.choices[0], first)
     assert emission is not None and emission.tokens == 2 and emission.chunk == first.chunk
     assert flow.model == "tiny" and flow.call(0, c).state == first.stream_state
     # counts beside the answer win over a state they would be read from (here: disagreeing)
     beside = counted(answer(9, "cd"), 5)
-    emission = flow.accept(0, c, beside)
+    emission = flow.accept(0, c.choices[0], beside)
     assert emission is not None and emission.tokens == 3
     assert flow.progress[(0, 0)].completion_tokens == 5
-    assert flow.accept(0, c, counted(answer(5, "e"), 5, shown=False)) is None
+    assert flow.accept(0, c.choices[0], counted(answer(5, "e"), 5, shown=False)) is None
     plain = counted(answer(7, "ef"), None)
-    emission = flow.accept(0, c, plain)
+    emission = flow.accept(0, c.choices[0], plain)
     assert emission is not None and emission.tokens == 2 and emission.chunk == plain.chunk
-    assert flow.accept(0, c, counted(answer(7, None), None)) is None
-
-
-def test_only_one_chunk_of_one_choice_without_usage_is_passed_on_as_it_came() -> None:
-    """`passable`: what the proxy reads of a chunk it may pass on; anything else (several
-    chunks, an in-band error, usage, several choices, no chunk at all) is decoded whole."""
-    one = JSON.encode(chunk(0, [7]))
-    head = passable([one])
-    assert head is not None and head.usage is None
-    assert [(c.index, c.token_ids, c.finish_reason) for c in head.choices] == [(0, [7], None)]
-    two = chunk(0, [7])
-    two.choices.append(chunk(1, [8]).choices[0])
-    with_usage = msgspec.structs.replace(chunk(0, [7]), usage=Usage(prompt_tokens=3))
-    for payloads in (
-        [one, one],
-        [b'{"error": {"message": "boom"}}'],
-        [JSON.encode(two)],
-        [JSON.encode(with_usage)],
-        [b"not json"],
-        [b'{"choices": [{"index": -1}]}'],
-    ):
-        assert passable(payloads) is None, payloads
+    assert flow.accept(0, c.choices[0], counted(answer(7, None), None)) is None
 
 
 def test_a_chunk_passed_on_carries_the_streams_id_and_index_for_derender_to_show() -> None:
     """Past a choice's first call, its chunks go to tokenline's derender as generate sent
-    them, with the id and the index offset derender shows instead; the first call is
+    them, unread, with the id and the index offset derender shows instead; the first call is
     `call`'s (shaped: it carries the prompt)."""
     flow = stream_flow(n=1, prompts=2)
-    payload = JSON.encode(chunk(0, [7]))
-    head = passable([payload])
-    assert head is not None
-    first = flow.passed_on(1, head, payload)
+    c = chunk(0, [7])
+    payload = JSON.encode(c)
+    assert flow.passed_on(1, payload) is None  # no first call yet: the caller makes it
+    first = flow.call(1, c)
     assert first is not None and first.chunk_id is None and first.state is None
-    assert isinstance(first.chunk, GenerateStreamChunk) and first.chunk.choices[0].index == 1
+    assert first.chunk.choices[0].index == 1
     raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(1, "a", index=1)))
-    assert flow.accept(1, head, raw) is not None
-    later = flow.passed_on(1, head, payload)
+    assert flow.accept(1, c.choices[0], raw) is not None
+    later = flow.passed_on(1, payload)
     assert later is not None and later.state == raw.stream_state
     body = JSON.encode(later.fields(msgspec.Raw(later.client_lean), lean=True))
     assert payload in body  # the engine's bytes, as they came
@@ -300,22 +279,26 @@ def test_a_chunk_passed_on_carries_the_streams_id_and_index_for_derender_to_show
     assert payload in later.lean_json() and raw.stream_state in later.lean_json()
     as_read = msgspec.json.decode(later.lean_json())
     assert as_read == msgspec.json.decode(body)
-    assert flow.passed_on(1, head, payload).prefix is later.prefix  # made once per prompt
+    assert flow.passed_on(1, payload).prefix is later.prefix  # made once per prompt
     assert msgspec.json.decode(first.lean_json())["prompt_token_ids"] == [1, 2, 3]
-    last = JSON.encode(chunk(0, [9], finish="length"))
-    done = passable([last])
-    assert done is not None
-    assert flow.accept(1, done, raw) is not None and flow.over(1, done)
-    assert flow.passed_on(1, done, last) is None  # the choice is over
+    # an in-band error is never passed on: the caller decodes it (and fails)
+    assert flow.passed_on(1, b'{"error": {"message": "boom"}}') is None
+    done = chunk(0, [9], finish="length")
+    assert flow.accept(1, done.choices[0], raw) is not None and flow.over(1, 0)
+    assert flow.passed_on(1, JSON.encode(done)) is None  # the choice is over
+    several = stream_flow(n=2, prompts=1)
+    several.call(0, c)
+    several.accept(0, c.choices[0], raw)
+    assert several.passed_on(0, payload) is None  # only streams of one choice
 
 
 def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7])
     flow.call(0, c)
-    assert flow.accept(0, c, answer(2, None)) is None  # nothing to send yet (held back)
+    assert flow.accept(0, c.choices[0], answer(2, None)) is None  # nothing to send yet (held back)
     flow.call(0, c)
-    emission = flow.accept(0, c, answer(3, "abc"))
+    emission = flow.accept(0, c.choices[0], answer(3, "abc"))
     assert emission is not None and emission.tokens == 3
 
 
@@ -323,7 +306,7 @@ def test_a_stop_string_ends_the_choice_early_and_asks_for_an_abort() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7])
     flow.call(0, c)
-    flow.accept(0, c, answer(1, "x", stop=True))
+    flow.accept(0, c.choices[0], answer(1, "x", stop=True))
     assert flow.prompt_done(0) and flow.stopped_early(0)
     assert flow.call(0, chunk(0, [8])) is None  # later chunks of the choice are dropped
 
@@ -332,7 +315,7 @@ def test_a_finished_choice_is_not_early() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7], finish="length")
     flow.call(0, c)
-    flow.accept(0, c, answer(1, "x"))
+    flow.accept(0, c.choices[0], answer(1, "x"))
     assert flow.prompt_done(0) and not flow.stopped_early(0)
 
 
@@ -341,7 +324,7 @@ def test_usage_final_and_continuous() -> None:
     for p in (0, 1):
         c = chunk(0, [7], finish="stop")
         flow.call(p, c)
-        emission = flow.accept(p, c, answer(2, "x"))
+        emission = flow.accept(p, c.choices[0], answer(2, "x"))
         assert emission is not None and emission.chunk.usage is None
     final = flow.final_chunk()
     assert final is not None and final["object"] == "chat.completion.chunk"
@@ -356,7 +339,7 @@ def test_usage_final_and_continuous() -> None:
     )
     c = chunk(0, [7])
     continuous.call(0, c)
-    emission = continuous.accept(0, c, answer(1, "x"))
+    emission = continuous.accept(0, c.choices[0], answer(1, "x"))
     assert emission is not None and emission.chunk.usage is not None
     assert emission.chunk.usage.total_tokens == 4
 
@@ -445,7 +428,7 @@ def test_an_echoing_choice_carries_its_own_prompt_in_its_first_call_only() -> No
     c = chunk(0, [7])
     first = flow.call(1, c)
     assert first is not None and COMPLETION_REQUEST.decode(first.client_raw).prompt == [5, 6]
-    flow.accept(1, c, answer(1, "x"))
+    flow.accept(1, c.choices[0], answer(1, "x"))
     later = flow.call(1, chunk(0, [8]))
     assert later is not None and later.client_raw == flow.view.raw  # the stub again
     assert flow.view.request.prompt == "" and flow.view.request.echo
@@ -483,7 +466,7 @@ def test_prompt_logprobs_ride_on_the_first_chunk_of_each_choice() -> None:
         c = chunk(index, [7])
         call = flow.call(0, c)
         assert call is not None and call.chunk.prompt_logprobs == entries
-        flow.accept(0, c, answer(1, "x", index=index))
+        flow.accept(0, c.choices[0], answer(1, "x", index=index))
         later = flow.call(0, chunk(index, [8]))
         assert later is not None and later.chunk.prompt_logprobs is msgspec.UNSET
     # a chunk without them costs no byte more on the wire

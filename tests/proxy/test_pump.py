@@ -20,9 +20,17 @@ from tests.proxy.conftest import Tiers, url
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow import StreamCall, StreamFlow
-from tokenline.proxy.pump import Pump
+from tokenline.proxy.pump import Pump, read_choice
 from tokenline.proxy.routes import EventStream
 from tokenline.proxy.stream import Streaming
+from tokenline.shared.errors import UpstreamError
+from tokenline.shared.wire import (
+    JSON,
+    BatchItemAnswer,
+    GenerateChoiceHead,
+    GenerateStreamChoice,
+    GenerateStreamChunk,
+)
 
 TRANSPORTS = ["http", "batched"]
 
@@ -329,3 +337,23 @@ async def test_an_http10_client_gets_the_body_unchunked(tiers: Tiers) -> None:
     got = comparable(events)
     assert got[-1] == "[DONE]" and len(got) > 40
     assert got[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_chunk_passed_on_unread_is_known_by_what_derender_read_of_it() -> None:
+    """The proxy never parses a chunk it passed on: derender's answer says its choice. A
+    derender that does not say (older than the proxy) leaves the proxy to read the chunk, as
+    does a chunk without a choice; another choice than a pumped stream's one is the engine's
+    fault."""
+    choice = GenerateStreamChoice(index=0, token_ids=[7], finish_reason=None)
+    payload = JSON.encode(GenerateStreamChunk(request_id="e", choices=[choice]))
+    told = BatchItemAnswer(generate_choice=GenerateChoiceHead(index=0, token_ids=[7]))
+    assert read_choice(payload, told) is told.generate_choice
+    silent = BatchItemAnswer()
+    assert read_choice(payload, silent) == GenerateChoiceHead(index=0, token_ids=[7])
+    empty = JSON.encode(GenerateStreamChunk(request_id="e", choices=[]))
+    assert read_choice(empty, silent) is None
+    other = BatchItemAnswer(generate_choice=GenerateChoiceHead(index=2, token_ids=[7]))
+    with pytest.raises(UpstreamError, match="choice 2 in a stream of one choice"):
+        read_choice(payload, other)
+    decoded = GenerateStreamChunk(request_id="e", choices=[choice])
+    assert read_choice(decoded, other) is choice  # a chunk decoded here: its own choice

@@ -201,7 +201,7 @@ async def test_a_batch_of_valid_items_answers_as_single_calls(
         assert resp.status == 200
         answers = await resp.json()
         singles = [await (await client.post(single_path, json=i)).json() for i in items]
-        for got, single in zip(answers, singles, strict=True):
+        for got, single, item in zip(answers, singles, items, strict=True):
             assert "error" not in got
             got["chunk"].pop("created"), single["chunk"].pop("created")
             # beside the single route's answer, what the proxy reads of it
@@ -209,6 +209,10 @@ async def test_a_batch_of_valid_items_answers_as_single_calls(
             assert got.pop("completion_tokens") == state["completion_tokens"] > 0
             assert got.pop("shown") is bool(single["chunk"]["choices"]) is True
             assert got.pop("reasoning_tokens", None) is None
+            # the generate chunk's choice as derender read it: the proxy never parses it
+            choice = item["generate_chunk"]["choices"][0]
+            read = got.pop("generate_choice")
+            assert read == {"index": 0, "finish_reason": None, "token_ids": choice["token_ids"]}
             assert got == {k: v for k, v in single.items() if v is not None}
     metrics = await (await client.get("/metrics")).text()
     assert _counter(metrics, "chunks_total") == 2 * 3  # each item once in a batch, once alone
@@ -246,6 +250,8 @@ async def test_chunk_id_and_choice_offset_show_the_chunk_as_the_proxy_would_have
         (got,) = await resp.json()
         assert "error" not in got, got
         got["chunk"].pop("created")
+        # the generate chunk's own choice, as derender read it (not the one shown)
+        assert got.pop("generate_choice")["index"] == body["generate_chunk"]["choices"][0]["index"]
         answers.append(got)
     assert answers[0] == answers[1]
     assert answers[1]["chunk"]["id"] == "cmpl-public"

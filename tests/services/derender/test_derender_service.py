@@ -116,12 +116,19 @@ def _chunk_call(ids: list[int], kind: str = "chat", **extra: Any) -> dict[str, A
     return {"stream": True, "model": "tiny", "generate_chunk": chunk, field: client} | extra
 
 
-def _same_answer(a: dict[str, Any], b: dict[str, Any]) -> None:
-    """A batch item's answer `a` equal to the single call's `b` but for the chunk's `created`
-    second, with what the proxy reads beside it (tokenline's batch answers)."""
+def _same_answer(a: dict[str, Any], b: dict[str, Any], call: dict[str, Any]) -> None:
+    """A batch item's answer `a` to `call` equal to the single call's `b` but for the chunk's
+    `created` second, with what the proxy reads beside it (tokenline's batch answers: the
+    counts, and the generate chunk's choice as derender read it)."""
     a, b = dict(a), {k: v for k, v in b.items() if v is not None}
     assert a.pop("completion_tokens") == b["stream_state"].get("completion_tokens", 0)
     assert a.pop("shown") is bool(b["chunk"]["choices"])
+    choice = call["generate_chunk"]["choices"][0]
+    assert a.pop("generate_choice") == {
+        "index": choice["index"],
+        "finish_reason": choice.get("finish_reason"),
+        "token_ids": choice["token_ids"],
+    }
     a["chunk"] = {k: v for k, v in a["chunk"].items() if k != "created"}
     b["chunk"] = {k: v for k, v in b["chunk"].items() if k != "created"}
     assert a == b
@@ -153,7 +160,7 @@ def test_batch_item_errors_are_their_own(derender_tiny: Server, tiny_tok: Any) -
     for body, answer in zip(good, [answers[0], answers[-1]], strict=True):
         single_status, single = post(url, body)
         assert single_status == 200
-        _same_answer(answer, single)
+        _same_answer(answer, single, body)
     for (body, code, param, needle), answer in zip(bad, answers[1:-1], strict=True):
         error = answer["error"]
         assert (error["code"], error["param"]) == (code, param), error
@@ -170,7 +177,7 @@ def test_completion_batch_item_errors_are_their_own(derender_tiny: Server, tiny_
     status, answers = post(url + "/batch", {"requests": [bad, good]})
     assert status == 200
     assert answers[0]["error"]["param"] == "prompt_token_ids"
-    _same_answer(answers[1], post(url, good)[1])
+    _same_answer(answers[1], post(url, good)[1], good)
 
 
 @pytest.mark.parametrize(
