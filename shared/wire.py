@@ -645,8 +645,10 @@ class DerenderChatRequest(Wire, kw_only=True):
     chat_request: ChatCompletionRequest | None = None
     chunk_id: str | None = None
     """tokenline extension: the id a stream chunk's answer shows instead of
-    `generate_chunk.request_id`, and `choice_offset`, added to each choice's index. The proxy
-    then passes generate's chunk on as it came, unread and not rewritten."""
+    `generate_chunk.request_id`, and `choice_offset`, added to each choice's index; the chunk's
+    usage is not shown (the proxy counts usage itself). The proxy then passes generate's chunk
+    on as it came, unread and not rewritten: the answer is what the chunk shaped by the proxy
+    would give."""
     choice_offset: NonNegative = 0
 
     @property

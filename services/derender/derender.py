@@ -284,7 +284,10 @@ def derender_stream(
             choices.append(pieces.stream_choice(call, c.index + req.choice_offset, out))
         if out.stop_string is not None:
             match = StopMatch(stop=out.stop_string, completion_tokens=state.completion_tokens)
-    usage = None if chunk.usage is None else _stream_usage(req, chunk.usage)
+    # a chunk passed on by the proxy (`chunk_id`) shows no usage: the proxy counts it itself,
+    # and drops an engine's as it shapes a chunk
+    shown_usage = chunk.usage if req.chunk_id is None else None
+    usage = None if shown_usage is None else _stream_usage(req, shown_usage)
     return DerenderStreamResponse(
         chunk=pieces.stream_chunk(call, model, choices, usage),
         stream_state=state.to_wire(),

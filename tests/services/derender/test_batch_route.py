@@ -254,6 +254,13 @@ async def test_chunk_id_and_choice_offset_show_the_chunk_as_the_proxy_would_have
         assert got.pop("generate_choice")["index"] == body["generate_chunk"]["choices"][0]["index"]
         answers.append(got)
     assert answers[0] == answers[1]
+    # the engine's usage on a chunk passed on is not shown, as the proxy's shaping drops it
+    counted = json.loads(json.dumps(passed))
+    counted["generate_chunk"]["usage"] = {"prompt_tokens": 3, "completion_tokens": 2}
+    resp = await client.post(kind.batch_path, json={"requests": [counted]})
+    (got,) = await resp.json()
+    got["chunk"].pop("created"), got.pop("generate_choice")
+    assert got == answers[1] and got["chunk"].get("usage") is None
     assert answers[1]["chunk"]["id"] == "cmpl-public"
     assert answers[1]["chunk"]["choices"][0]["index"] == 3
     whole = {"model": "tiny", "generate_response": item["generate_chunk"]}
