@@ -449,7 +449,6 @@ class GenerateChunkHead(Wire, kw_only=True):
     what the chunk held (`BatchStreamAnswer.generate_choice`; one older than the proxy): only
     these fields (the logprobs, the bulk of it, are skipped unread)."""
 
-    usage: Usage | None = None
     choices: list[GenerateChoiceHead] = []
 
 

@@ -286,8 +286,9 @@ def derender_stream(
             match = StopMatch(stop=out.stop_string, completion_tokens=state.completion_tokens)
     # a chunk passed on by the proxy (`chunk_id`) shows no usage: the proxy counts it itself,
     # and drops an engine's as it shapes a chunk
-    shown_usage = chunk.usage if req.chunk_id is None else None
-    usage = None if shown_usage is None else _stream_usage(req, shown_usage)
+    usage = None
+    if chunk.usage is not None and req.chunk_id is None:
+        usage = _stream_usage(req, chunk.usage)
     return DerenderStreamResponse(
         chunk=pieces.stream_chunk(call, model, choices, usage),
         stream_state=state.to_wire(),
