@@ -30,6 +30,7 @@ from tokenline.services.derender.derender import (
     derender_stream,
 )
 from tokenline.services.derender.detokenize import detokenize
+from tokenline.services.derender.plain import plain_chat
 from tokenline.services.derender.texts import token_texts
 from tokenline.shared.errors import (
     BadRequest,
@@ -48,6 +49,7 @@ from tokenline.shared.wire import (
     DETOKENIZE_REQUEST,
     JSON,
     BatchStreamAnswer,
+    DerenderChatRequest,
     DerenderStreamResponse,
     GenerateChoiceHead,
     GenerateStreamChunk,
@@ -82,10 +84,15 @@ class DerenderState:
         """One call's answer: a small stream chunk inline, anything larger in a thread."""
         return await self.run(KIND_DERENDER[kind.name], req, _inline(req, tokens))
 
-    def stream_now(self, pieces: Pieces, req: DerenderRequest) -> DerenderStreamResponse[Any]:
-        """A small streaming call's answer, on this thread (what `derender` gives it, without
-        the two calls on the way there, which a batch item would pay for every token)."""
-        return derender_stream(pieces, req, self.tok, self.settings)
+    def stream_now(self, pieces: Pieces, req: DerenderRequest) -> BatchStreamAnswer[Any]:
+        """A small streaming call's batch answer, on this thread (what `derender` gives it,
+        without the two calls on the way there, which a batch item would pay for every token;
+        a plain chat chunk's from the token caches alone: `plain.py`)."""
+        if isinstance(req, DerenderChatRequest):
+            plain = plain_chat(req, self.tok, self.settings)
+            if plain is not None:
+                return plain
+        return _counted(derender_stream(pieces, req, self.tok, self.settings), req.generate_chunk)
 
     def count(self, chunks: int, tokens: int) -> None:
         if chunks:
@@ -172,9 +179,9 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
                 n = _tokens(req)
                 chunks, tokens = chunks + req.stream, tokens + n
                 if _inline(req, n):
-                    answer = state.stream_now(pieces, req)
-                else:
-                    answer = await state.answer(kind, req, n)
+                    answers.append(state.stream_now(pieces, req))
+                    continue
+                answer = await state.answer(kind, req, n)
                 answers.append(_counted(answer, req.generate_chunk) if req.stream else answer)
             except Exception as exc:
                 answers.append(as_service_error(exc).to_wire())
@@ -184,13 +191,13 @@ async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> 
 
 
 def _counted(
-    answer: DerenderStreamResponse[Any], chunk: GenerateStreamChunk
+    answer: DerenderStreamResponse[Any], chunk: GenerateStreamChunk | None
 ) -> BatchStreamAnswer[Any]:
     """A streaming item's answer with its counts and the generate chunk's choice beside it,
     for the proxy to read in one pass (and never to parse the chunk it passed on)."""
     state = answer.stream_state
     read = None
-    if chunk.choices:  # one at most: a streaming call with more is refused
+    if chunk is not None and chunk.choices:  # one at most: a streaming call with more is refused
         c = chunk.choices[0]
         read = GenerateChoiceHead(
             index=c.index, finish_reason=c.finish_reason, token_ids=c.token_ids

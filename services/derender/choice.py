@@ -97,8 +97,7 @@ class ChoiceState(msgspec.Struct, gc=False):
     ) -> ChoiceState:
         """Checks what the schema cannot: IDs against the vocabulary, offsets against lengths,
         windows against what this detokenizer and these stop strings ever leave."""
-        _check_windows(s, options)
-        _check_vocabulary(s, tok.vocab_size)
+        check_state(s, tok, options)
         # the lists are taken, not copied: the state only ever replaces them, never changes them
         return cls(
             detok=DetokState(s.detok_ids, s.detok_prefix, s.last_special),
@@ -130,6 +129,11 @@ class ChoiceState(msgspec.Struct, gc=False):
             reasoning_tokens=None if self.reasoning is None else self.reasoning.tokens,
             reasoning_depth=0 if self.reasoning is None else self.reasoning.depth,
         )
+
+
+def check_state(s: DerenderStreamState, tok: ModelTokenizer, options: ChoiceOptions) -> None:
+    _check_windows(s, options)
+    _check_vocabulary(s, tok.vocab_size)
 
 
 def _check_windows(s: DerenderStreamState, options: ChoiceOptions) -> None:

@@ -209,7 +209,7 @@ def _stream_prompt_ids(ids: list[Any] | None) -> list[int] | None:
     return ids
 
 
-def _chunk_of(
+def checked_chunk(
     req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
 ) -> tuple[GenerateStreamChunk, GenerateStreamChoice | None]:
     chunk = req.generate_chunk
@@ -258,7 +258,7 @@ def derender_stream(
         else _stream_prompt_ids(req.prompt_token_ids)
     )
     check_prompt_ids(prompt_ids, tok, s)
-    chunk, c = _chunk_of(req, tok, s)
+    chunk, c = checked_chunk(req, tok, s)
     # the client request read once: a batch item decodes it when read
     client: ChatCompletionRequest | CompletionRequest | None
     if isinstance(req, DerenderChatRequest):

@@ -1,0 +1,244 @@
+"""The plain chat lane (`services/derender/plain.py`) against the general path: for any chunk
+it answers, the same bytes (the timestamp aside); for a faulty call, the same error; and it
+answers the plain chunks of a stream, which is what it is for."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenline.services.derender.app import _counted
+from tokenline.services.derender.bounds import DerenderSettings
+from tokenline.services.derender.derender import PIECES, derender_stream
+from tokenline.services.derender.parsers.adjust import ParserFlags
+from tokenline.services.derender.plain import plain_chat
+from tokenline.shared.errors import ServiceError
+from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.wire import DERENDER_CHAT, JSON, BatchStreamAnswer
+
+SETTINGS = DerenderSettings(served_model_names=("m",), max_model_len=4096)
+WORDS = ["鑫龘", "😀🎉", "こんにちは", " hello", " world", "ab", "\n", "x"]
+
+
+def general(req: Any, tok: ModelTokenizer, s: DerenderSettings) -> BatchStreamAnswer[Any]:
+    return _counted(derender_stream(PIECES["chat"], req, tok, s), req.generate_chunk)
+
+
+def same_bytes(a: BatchStreamAnswer[Any], b: BatchStreamAnswer[Any]) -> bytes:
+    """Both answers' JSON, each with the same timestamp."""
+    at = msgspec.structs.replace
+    one = JSON.encode(at(a, chunk=at(a.chunk, created=0)))
+    assert one == JSON.encode(at(b, chunk=at(b.chunk, created=0)))
+    return one
+
+
+def entries(ids: list[int], vocab: int, tops: int, spread: int = 7) -> list[dict[str, Any]]:
+    """Each token's entry with `tops` candidates (IDs spread over the vocabulary by `spread`;
+    1 repeats the sampled ID)."""
+    return [
+        {
+            "token_id": t,
+            "logprob": -0.25 * (n + 1),
+            "rank": 1,
+            "top_logprobs": [
+                {"token_id": (t * spread + k - 1) % vocab, "logprob": -1.0 * k, "rank": k}
+                for k in range(1, tops + 1)
+            ],
+        }
+        for n, t in enumerate(ids)
+    ]
+
+
+@st.composite
+def streams(draw: Any, tok: ModelTokenizer) -> dict[str, Any]:
+    """A chat stream's chunks (token IDs, some of them words whose characters span tokens, and
+    specials) with the request's options, some of which the lane leaves to the general path."""
+    vocab = tok.vocab_size
+    one_id = st.integers(0, vocab - 1).map(lambda i: [i])
+    word = st.sampled_from(WORDS).map(lambda w: tok.encode(w, add_special_tokens=False))
+    chunks = draw(st.lists(st.lists(st.one_of(one_id, word), max_size=3), min_size=2, max_size=8))
+    return {
+        "chunks": [[i for part in c for i in part] for c in chunks],
+        "request": {
+            "messages": [{"role": "user", "content": "x"}],
+            "skip_special_tokens": draw(st.booleans()),
+            "spaces_between_special_tokens": draw(st.booleans()),
+            "stop": draw(st.sampled_from([None, [], ["x"], "ab", [""]])),
+            "logprobs": draw(st.booleans()),
+            "top_logprobs": draw(st.sampled_from([0, 1, 2, -1])),
+            "return_token_ids": draw(st.booleans()),
+            "echo": draw(st.booleans()),
+        },
+        "tops": draw(st.integers(0, 3)),
+        "with_logprobs": draw(st.booleans()),
+        "finish": draw(st.sampled_from([None, "length", "stop"])),
+        "usage": draw(st.booleans()),
+        "chunk_id": draw(st.sampled_from([None, "chatcmpl-1"])),
+        "offset": draw(st.integers(0, 2)),
+        "prompt": draw(st.lists(st.integers(0, vocab - 1), max_size=6)) or None,
+    }
+
+
+def item(
+    case: dict[str, Any], n: int, state: Any, tok: ModelTokenizer, forge: dict[str, Any]
+) -> Any:
+    """Chunk `n` of the stream as a batch item, on `state` (with `forge`'s fields over it)."""
+    ids = case["chunks"][n]
+    last = n == len(case["chunks"]) - 1
+    choice: dict[str, Any] = {
+        "index": 0,
+        "token_ids": ids,
+        "finish_reason": case["finish"] if last else None,
+    }
+    if case["with_logprobs"]:
+        content = entries(ids, tok.vocab_size, case["tops"], case.get("spread", 7))
+        choice["logprobs"] = {"content": content}
+    chunk: dict[str, Any] = {"request_id": "generate-1", "choices": [choice]}
+    if case["usage"] and last:
+        chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    wire = None if state is None else {**msgspec.to_builtins(state), **forge}
+    body = {
+        "stream": True,
+        "model": "m",
+        "prompt_token_ids": case["prompt"] if n == 0 else None,
+        "chat_request": case["request"],
+        "generate_chunk": chunk,
+        "stream_state": wire,
+        "chunk_id": case["chunk_id"],
+        "choice_offset": case["offset"],
+    }
+    return DERENDER_CHAT.decode(JSON.encode(body))
+
+
+def outcome(answer: Any, req: Any, tok: ModelTokenizer, s: DerenderSettings) -> Any:
+    """`answer(req, tok, s)`, or the error it raised (its type and envelope)."""
+    try:
+        return answer(req, tok, s)
+    except ServiceError as exc:
+        return type(exc), exc.to_wire()
+
+
+def compare(req: Any, tok: ModelTokenizer, s: DerenderSettings) -> BatchStreamAnswer[Any] | None:
+    """The lane's answer to `req` against the general path's: the general path's answer (None
+    when it refused the call: the lane then raised the same error, or left the call to it)."""
+    expected, lane = outcome(general, req, tok, s), outcome(plain_chat, req, tok, s)
+    if isinstance(expected, tuple):
+        assert lane is None or lane == expected
+        return None
+    assert not isinstance(lane, tuple), lane
+    if lane is not None:
+        same_bytes(lane, expected)
+    return expected  # type: ignore[no-any-return]
+
+
+def run_stream(case: dict[str, Any], tok: ModelTokenizer, forge: dict[str, Any]) -> None:
+    state = None
+    for n in range(len(case["chunks"])):
+        answer = compare(
+            item(case, n, state, tok, forge if state is not None else {}), tok, SETTINGS
+        )
+        if answer is None:
+            return
+        state = answer.stream_state
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_lane_answers_as_the_general_path(
+    data: st.DataObject, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
+) -> None:
+    tok = data.draw(st.sampled_from([tiny_tok, qwen3_tok]))
+    run_stream(data.draw(streams(tok)), tok, {})
+
+
+FORGED = st.fixed_dictionaries(
+    {},
+    optional={
+        "detok_prefix": st.integers(0, 40),
+        "detok_ids": st.lists(st.integers(0, 200_000), max_size=4),
+        "logprob_context_token_ids": st.lists(st.integers(0, 200_000), max_size=3),
+        "stop_tail": st.sampled_from(["", "ab", "x" * 70_000]),
+        "unsent_chars": st.integers(0, 3),
+        "role_sent": st.booleans(),
+        "stopped": st.booleans(),
+        "last_special": st.booleans(),
+        "completion_tokens": st.integers(0, 10),
+    },
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_lane_refuses_or_leaves_what_the_general_path_refuses(
+    data: st.DataObject, tiny_tok: ModelTokenizer
+) -> None:
+    """States a caller forged (IDs outside the vocabulary, offsets past their windows, tails
+    longer than any stop string needs) and chunks with IDs outside it."""
+    case = data.draw(streams(tiny_tok))
+    if data.draw(st.booleans()):
+        case["chunks"][-1] = [*case["chunks"][-1], tiny_tok.vocab_size + 5]
+    run_stream(case, tiny_tok, data.draw(FORGED))
+
+
+def test_a_plain_stream_is_answered_by_the_lane(tiny_tok: ModelTokenizer) -> None:
+    """Every chunk after the first of a stream of words (logprobs on): the lane answers it, as
+    the general path would."""
+    text = " the quick brown fox jumps over the lazy dog and again"
+    ids = [tiny_tok.encode(" " + w, add_special_tokens=False) for w in text.split(" ")[1:]]
+    case = {
+        "chunks": ids,
+        "request": {
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        "tops": 2,
+        "spread": 1,  # candidates whose text, as the words', needs no context
+        "with_logprobs": True,
+        "finish": "length",
+        "usage": False,
+        "chunk_id": "chatcmpl-1",
+        "offset": 0,
+        "prompt": [5, 6],
+    }
+    state, answered = None, 0
+    for n in range(len(ids)):
+        req = item(case, n, state, tiny_tok, {})
+        expected = general(req, tiny_tok, SETTINGS)
+        lane = plain_chat(req, tiny_tok, SETTINGS)
+        first_or_last = n in (0, len(ids) - 1)
+        assert (lane is None) == first_or_last, n
+        if lane is not None:
+            answered += 1
+            assert b'"logprobs":{"content":[{' in same_bytes(lane, expected)
+        state = expected.stream_state
+    assert answered == len(ids) - 2
+
+
+def test_parsers_leave_every_chunk_to_the_general_path(tiny_tok: ModelTokenizer) -> None:
+    s = dataclasses.replace(SETTINGS, parsers=ParserFlags(reasoning_parser="qwen3"))
+    first = general(item(_case([[5], [6]]), 0, None, tiny_tok, {}), tiny_tok, s)
+    req = item(_case([[5], [6]]), 1, first.stream_state, tiny_tok, {})
+    assert plain_chat(req, tiny_tok, s) is None
+
+
+def _case(chunks: list[list[int]]) -> dict[str, Any]:
+    return {
+        "chunks": chunks,
+        "request": {"messages": [{"role": "user", "content": "x"}]},
+        "tops": 0,
+        "with_logprobs": False,
+        "finish": None,
+        "usage": False,
+        "chunk_id": None,
+        "offset": 0,
+        "prompt": None,
+    }
