@@ -61,9 +61,10 @@ NO_IDS: frozenset[int] = frozenset()
 
 
 def _stops(stop: Stop) -> tuple[str, ...]:
-    """The stop strings to look for: a lone string as given, empty ones out of a list."""
+    """The stop strings to look for, empty ones left out (a lone one too: it would hold back
+    minus one character; render refuses them before any engine sees them, as vLLM does)."""
     if isinstance(stop, str):
-        return (stop,)
+        return (stop,) if stop else ()
     return tuple([s for s in stop if s]) if stop else ()
 
 

@@ -67,7 +67,7 @@ def streams(draw: Any, tok: ModelTokenizer) -> dict[str, Any]:
             "messages": [{"role": "user", "content": "x"}],
             "skip_special_tokens": draw(st.booleans()),
             "spaces_between_special_tokens": draw(st.booleans()),
-            "stop": draw(st.sampled_from([None, [], ["x"], "ab", [""]])),
+            "stop": draw(st.sampled_from([None, [], ["x"], "ab", [""], ""])),
             "logprobs": draw(st.booleans()),
             "top_logprobs": draw(st.sampled_from([0, 1, 2, -1])),
             "return_token_ids": draw(st.booleans()),
@@ -242,3 +242,16 @@ def _case(chunks: list[list[int]]) -> dict[str, Any]:
         "offset": 0,
         "prompt": None,
     }
+
+
+def test_a_lone_empty_stop_string_is_none(tiny_tok: ModelTokenizer) -> None:
+    """As an empty one in a list (it used to leave a state that held back minus one character,
+    which the next call refused)."""
+    for stop in ("", [""], None):
+        case = _case([tiny_tok.encode(w, add_special_tokens=False) for w in ("a b", " c", " d")])
+        case["request"]["stop"] = stop
+        state, text = None, ""
+        for n in range(3):
+            answer = general(item(case, n, state, tiny_tok, {}), tiny_tok, SETTINGS)
+            state, text = answer.stream_state, text + answer.chunk.choices[0].delta.content
+        assert (text, state.unsent_chars, state.stop_tail) == ("a b c d", 0, ""), stop
