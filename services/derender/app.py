@@ -30,7 +30,7 @@ from tokenline.services.derender.derender import (
     derender_stream,
 )
 from tokenline.services.derender.detokenize import detokenize
-from tokenline.services.derender.plain import plain_chat
+from tokenline.services.derender.plain import plain_answer
 from tokenline.services.derender.texts import token_texts
 from tokenline.shared.errors import (
     BadRequest,
@@ -49,7 +49,6 @@ from tokenline.shared.wire import (
     DETOKENIZE_REQUEST,
     JSON,
     BatchStreamAnswer,
-    DerenderChatRequest,
     DerenderStreamResponse,
     GenerateChoiceHead,
     GenerateStreamChunk,
@@ -87,11 +86,10 @@ class DerenderState:
     def stream_now(self, pieces: Pieces, req: DerenderRequest) -> BatchStreamAnswer[Any]:
         """A small streaming call's batch answer, on this thread (what `derender` gives it,
         without the two calls on the way there, which a batch item would pay for every token;
-        a plain chat chunk's from the token caches alone: `plain.py`)."""
-        if isinstance(req, DerenderChatRequest):
-            plain = plain_chat(req, self.tok, self.settings)
-            if plain is not None:
-                return plain
+        a plain chunk's from the token caches and the detokenizer alone: `plain.py`)."""
+        plain = plain_answer(req, self.tok, self.settings)
+        if plain is not None:
+            return plain
         return _counted(derender_stream(pieces, req, self.tok, self.settings), req.generate_chunk)
 
     def count(self, chunks: int, tokens: int) -> None:

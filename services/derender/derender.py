@@ -209,7 +209,23 @@ def _stream_prompt_ids(ids: list[Any] | None) -> list[int] | None:
     return ids
 
 
-def checked_chunk(
+def checked_call(
+    req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
+) -> tuple[str, list[int] | None, GenerateStreamChunk, GenerateStreamChoice | None]:
+    """A streaming call's bounds checked (all but its state's, which need its options): the
+    model it names, its prompt IDs, its chunk and the chunk's choice (None: it has none)."""
+    model = model_name(req.model, s)
+    # chat's IDs are typed (the decoder checked them); completions' are any list until here
+    prompt_ids = (
+        req.prompt_token_ids
+        if isinstance(req, DerenderChatRequest)
+        else _stream_prompt_ids(req.prompt_token_ids)
+    )
+    check_prompt_ids(prompt_ids, tok, s)
+    return (model, prompt_ids, *_checked_chunk(req, tok, s))
+
+
+def _checked_chunk(
     req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
 ) -> tuple[GenerateStreamChunk, GenerateStreamChoice | None]:
     chunk = req.generate_chunk
@@ -250,15 +266,7 @@ def derender_stream(
 
     A choice that a stop string already ended shows nothing more.
     """
-    model = model_name(req.model, s)
-    # chat's IDs are typed (the decoder checked them); completions' are any list until here
-    prompt_ids = (
-        req.prompt_token_ids
-        if isinstance(req, DerenderChatRequest)
-        else _stream_prompt_ids(req.prompt_token_ids)
-    )
-    check_prompt_ids(prompt_ids, tok, s)
-    chunk, c = checked_chunk(req, tok, s)
+    model, prompt_ids, chunk, c = checked_call(req, tok, s)
     # the client request read once: a batch item decodes it when read
     client: ChatCompletionRequest | CompletionRequest | None
     if isinstance(req, DerenderChatRequest):

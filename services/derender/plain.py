@@ -1,32 +1,39 @@
-"""A plain chat chunk's answer without the general machinery (pure).
+"""A plain stream chunk's answer without the general machinery (pure).
 
-Most chunks of a chat stream are plain: past the first, one choice, not the last, no stop
-strings, no parsers, and every token's text and logprob entries the same in any context (the
-per-token caches of `texts.py` already hold them). For such a chunk `derender_stream` builds a
-dozen objects (options, state, detokenizer, decoder, output, resolver, call) to find what the
-caches give in a lookup each. `plain_chat` answers it from the caches, with the same checks
-first, and leaves everything else (None) to the general path; tests hold the two to the same
-bytes for every chunk it answers.
+Most chunks of a stream are plain: past the first, one choice, not the last, no stop strings,
+no parsers, and every logprob token the same in any context (the per-token caches of `texts.py`
+already hold them). For such a chunk `derender_stream` builds a dozen objects (options, state,
+decoder, output, resolver, call) to find what the caches give in a lookup each. `plain_answer`
+answers it from the caches and the detokenizer, after the same checks, and leaves everything
+else (None) to the general path; tests hold the two to the same bytes for every chunk it
+answers, of either kind.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any, Literal
 
-from tokenline.services.derender.bounds import DerenderSettings, check_prompt_ids, model_name
+from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.choice import ChoiceOptions, check_state
-from tokenline.services.derender.derender import checked_chunk
+from tokenline.services.derender.derender import DerenderRequest, checked_call
 from tokenline.services.derender.detok import Detokenizer, DetokState
+from tokenline.services.derender.logprobs import completion_candidates
 from tokenline.services.derender.parts import chat_top
-from tokenline.services.derender.texts import token_texts
+from tokenline.services.derender.texts import Decoded, token_texts
 from tokenline.shared.limits import LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     BatchStreamAnswer,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatLogprob,
     ChatLogprobs,
     ChatStreamChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionStreamChoice,
     Delta,
     DerenderChatRequest,
     DerenderStreamState,
@@ -39,96 +46,199 @@ NO_STOPS = ChoiceOptions()
 """The options whose window checks a plain chunk passes (no stop strings)."""
 
 
-def plain_chat(
-    req: DerenderChatRequest, tok: ModelTokenizer, s: DerenderSettings
-) -> BatchStreamAnswer[ChatCompletionChunk] | None:
-    """The batch answer to a plain chat chunk (None: the chunk is not plain)."""
-    wire, chunk, client = req.stream_state, req.generate_chunk, req.client
-    if (
-        wire is None
-        or chunk is None
-        or client is None
-        or s.parsers.any
-        or len(chunk.choices) != 1
-        or chunk.usage is not None
-        or client.stop
-        or not wire.role_sent
-        or wire.stopped
-        or wire.unsent_chars
-        or wire.parser is not None
-        or wire.reasoning_tokens is not None
-    ):
+def plain_answer(
+    req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
+) -> BatchStreamAnswer[Any] | None:
+    """The batch answer to a plain stream chunk (None: the chunk is not plain)."""
+    if not _looks_plain(req, s):
         return None
-    c = chunk.choices[0]
-    ids = c.token_ids
-    if not ids or c.finish_reason is not None or c.stop_reason is not None:
-        return None
-    model = model_name(req.model, s)
-    # the general path's checks, in its order
-    check_prompt_ids(req.prompt_token_ids, tok, s)
-    checked_chunk(req, tok, s)
+    wire, chunk = req.stream_state, req.generate_chunk
+    assert wire is not None and chunk is not None  # `_looks_plain`
+    model = checked_call(req, tok, s)[0]
     check_state(wire, tok, NO_STOPS)
-    logprobs = None
+    c = chunk.choices[0]
+    ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_looks_plain`
     content = c.logprobs.content if c.logprobs is not None else None
-    if content is not None and client.logprobs:
-        entries = _entries(tok, content[: len(ids)], chat_top(client))
-        if entries is None:
-            return None
-        logprobs = ChatLogprobs(content=entries)
-    # the detokenizer as the general path runs it without stop strings
-    detok = DetokState(wire.detok_ids, wire.detok_prefix, wire.last_special)
-    skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
-    text = "".join(map(Detokenizer(tok, skip, spaces, detok).feed, ids))
+    entries = content[: len(ids)] if content is not None else None
+    client, index = req.client, c.index + req.choice_offset
+    assert client is not None  # `_looks_plain`
+    made = (
+        _chat_choice(tok, client, wire, index, ids, entries)
+        if isinstance(client, ChatCompletionRequest)
+        else _completion_choice(tok, client, wire, index, ids, entries)
+    )
+    if made is None:
+        return None
+    choice, detok, offset = made
     completion_tokens = wire.completion_tokens + len(ids)
-    state = DerenderStreamState(
-        role_sent=True,
-        logprob_context_token_ids=[*wire.logprob_context_token_ids, *ids][-LOGPROB_CONTEXT:],
-        logprob_text_offset=wire.logprob_text_offset,
-        detok_ids=detok.ids,
-        detok_prefix=detok.prefix,
-        last_special=detok.last_special,
-        completion_tokens=completion_tokens,
-    )
-    choice = ChatStreamChoice(
-        index=c.index + req.choice_offset,
-        delta=Delta(content=text or None),
-        logprobs=logprobs,
-        token_ids=ids if client.return_token_ids else None,
-    )
+    shape = ChatCompletionChunk if isinstance(choice, ChatStreamChoice) else CompletionChunk
     return BatchStreamAnswer(
-        chunk=ChatCompletionChunk(
+        chunk=shape(
             id=req.chunk_id or chunk.request_id,
             created=int(time.time()),
             model=model,
             choices=[choice],
         ),
-        stream_state=state,
+        stream_state=DerenderStreamState(
+            role_sent=wire.role_sent,
+            logprob_context_token_ids=[*wire.logprob_context_token_ids, *ids][-LOGPROB_CONTEXT:],
+            logprob_text_offset=offset,
+            detok_ids=detok.ids,
+            detok_prefix=detok.prefix,
+            last_special=detok.last_special,
+            completion_tokens=completion_tokens,
+        ),
         completion_tokens=completion_tokens,
         shown=True,
         generate_choice=GenerateChoiceHead(index=c.index, token_ids=ids),
     )
 
 
-def _entries(
-    tok: ModelTokenizer, content: list[GenerateLogProbsContent], top: int | None
-) -> list[ChatLogprob] | None:
-    """The chat logprob entries when every token among them shows the same in any context
-    (`TokenTexts.standalone`, cached); None otherwise."""
+def _looks_plain(req: DerenderRequest, s: DerenderSettings) -> bool:
+    """Past the first chunk (chat's role shown), one choice with tokens and no end, no usage,
+    no stop strings, nothing held back or stopped, no parsers: before any check."""
+    wire, chunk, client = req.stream_state, req.generate_chunk, req.client
+    if (
+        wire is None
+        or chunk is None
+        or client is None
+        or len(chunk.choices) != 1
+        or chunk.usage is not None
+        or client.stop
+        or wire.stopped
+        or wire.unsent_chars
+        or wire.parser is not None
+        or wire.reasoning_tokens is not None
+    ):
+        return False
+    c = chunk.choices[0]
+    if not c.token_ids or c.finish_reason is not None or c.stop_reason is not None:
+        return False
+    return not isinstance(req, DerenderChatRequest) or (wire.role_sent and not s.parsers.any)
+
+
+Made = tuple[Any, DetokState, int]
+"""A plain chunk's choice, the detokenizer's window after it,
+and where the next chunk's logprob text starts."""
+
+
+def _chat_choice(
+    tok: ModelTokenizer,
+    client: ChatCompletionRequest,
+    wire: DerenderStreamState,
+    index: int,
+    ids: list[int],
+    content: list[GenerateLogProbsContent] | None,
+) -> Made | None:
+    """The choice of `ids` at `index` (None: left to the general path)."""
+    logprobs = _chat_logprobs(tok, content, client)
+    if logprobs is False:
+        return None
+    text, detok = _text(tok, client, wire, ids)
+    choice = ChatStreamChoice(
+        index=index,
+        delta=Delta(content=text or None),
+        logprobs=logprobs,
+        token_ids=ids if client.return_token_ids else None,
+    )
+    return choice, detok, wire.logprob_text_offset
+
+
+def _completion_choice(
+    tok: ModelTokenizer,
+    client: CompletionRequest,
+    wire: DerenderStreamState,
+    index: int,
+    ids: list[int],
+    content: list[GenerateLogProbsContent] | None,
+) -> Made | None:
+    """The choice of `ids` at `index` (None: left to the general path)."""
+    offset = wire.logprob_text_offset
+    logprobs = _completion_logprobs(tok, content, client, offset)
+    if logprobs is False:
+        return None
+    if logprobs is not None and logprobs.tokens:
+        # monolithic vLLM continues offsets by token lengths, not by the text sent
+        offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    text, detok = _text(tok, client, wire, ids)
+    choice = CompletionStreamChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=None,
+        token_ids=ids if client.return_token_ids else None,
+    )
+    return choice, detok, offset
+
+
+def _text(
+    tok: ModelTokenizer,
+    client: ChatCompletionRequest | CompletionRequest,
+    wire: DerenderStreamState,
+    ids: list[int],
+) -> tuple[str, DetokState]:
+    """The tokens' text and the detokenizer's window after them, by the detokenizer as the
+    general path runs it without stop strings."""
+    state = DetokState(wire.detok_ids, wire.detok_prefix, wire.last_special)
+    skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
+    return "".join(map(Detokenizer(tok, skip, spaces, state).feed, ids)), state
+
+
+def _chat_logprobs(
+    tok: ModelTokenizer,
+    content: list[GenerateLogProbsContent] | None,
+    client: ChatCompletionRequest,
+) -> ChatLogprobs | Literal[False] | None:
+    """The chunk's chat logprobs (None: not asked for, or none came; False: a token among them
+    needs its context, which the general path brings)."""
+    if content is None or not client.logprobs:
+        return None
     known = token_texts(tok).decoded
+    top = chat_top(client)
     out = []
     for e in content:
         sampled = known.get(e.token_id)
         if sampled is None:
-            return None
+            return False
         alts = []
         for t in e.top_logprobs if top is None else e.top_logprobs[:top]:
             d = known.get(t.token_id)
             if d is None:
-                return None
+                return False
             alts.append(TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes))
+        token, logprob = sampled.token, e.logprob
         out.append(
-            ChatLogprob(
-                token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
-            )
+            ChatLogprob(token=token, logprob=logprob, bytes=sampled.bytes, top_logprobs=alts)
         )
+    return ChatLogprobs(content=out)
+
+
+def _completion_logprobs(
+    tok: ModelTokenizer,
+    content: list[GenerateLogProbsContent] | None,
+    client: CompletionRequest,
+    offset: int,
+) -> CompletionLogprobs | Literal[False] | None:
+    """`_chat_logprobs` for completions, the first token's text at `offset`."""
+    if content is None or client.logprobs is None:
+        return None
+    known: dict[int, Decoded | None] = token_texts(tok).decoded
+    out = CompletionLogprobs()
+    for e in content:
+        sampled = known.get(e.token_id)
+        if sampled is None:
+            return False
+        tops: dict[str, float] | None = None
+        if e.top_logprobs:
+            tops = {}
+            for t in completion_candidates(e, client.logprobs):
+                d = known.get(t.token_id)
+                if d is None:
+                    return False
+                tops[d.token] = t.logprob
+        out.text_offset.append(offset)
+        out.tokens.append(sampled.token)
+        out.token_logprobs.append(e.logprob)
+        out.top_logprobs.append(tops)
+        offset += len(sampled.token)
     return out

@@ -1,6 +1,7 @@
-"""The plain chat lane (`services/derender/plain.py`) against the general path: for any chunk
-it answers, the same bytes (the timestamp aside); for a faulty call, the same error; and it
-answers the plain chunks of a stream, which is what it is for."""
+"""The plain lane (`services/derender/plain.py`) against the general path, chat and completions:
+for any chunk it answers, the same bytes (the timestamp aside); for a faulty call, the same
+error; and it answers the plain chunks of a stream, which is what it is for. Items are decoded
+as the batch route decodes them (the client request read when asked for)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,17 +17,19 @@ from tokenline.services.derender.app import _counted
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.derender import PIECES, derender_stream
 from tokenline.services.derender.parsers.adjust import ParserFlags
-from tokenline.services.derender.plain import plain_chat
+from tokenline.services.derender.plain import plain_answer
 from tokenline.shared.errors import ServiceError
+from tokenline.shared.kinds import KINDS
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import DERENDER_CHAT, JSON, BatchStreamAnswer
+from tokenline.shared.wire import JSON, BatchStreamAnswer
 
 SETTINGS = DerenderSettings(served_model_names=("m",), max_model_len=4096)
 WORDS = ["鑫龘", "😀🎉", "こんにちは", " hello", " world", "ab", "\n", "x"]
 
 
 def general(req: Any, tok: ModelTokenizer, s: DerenderSettings) -> BatchStreamAnswer[Any]:
-    return _counted(derender_stream(PIECES["chat"], req, tok, s), req.generate_chunk)
+    kind = "chat" if hasattr(req, "chat_request") else "completion"
+    return _counted(derender_stream(PIECES[kind], req, tok, s), req.generate_chunk)
 
 
 def same_bytes(a: BatchStreamAnswer[Any], b: BatchStreamAnswer[Any]) -> bytes:
@@ -54,25 +58,31 @@ def entries(ids: list[int], vocab: int, tops: int, spread: int = 7) -> list[dict
 
 
 @st.composite
-def streams(draw: Any, tok: ModelTokenizer) -> dict[str, Any]:
-    """A chat stream's chunks (token IDs, some of them words whose characters span tokens, and
+def streams(draw: Any, tok: ModelTokenizer, kind: str = "chat") -> dict[str, Any]:
+    """A stream's chunks (token IDs, some of them words whose characters span tokens, and
     specials) with the request's options, some of which the lane leaves to the general path."""
     vocab = tok.vocab_size
     one_id = st.integers(0, vocab - 1).map(lambda i: [i])
     word = st.sampled_from(WORDS).map(lambda w: tok.encode(w, add_special_tokens=False))
     chunks = draw(st.lists(st.lists(st.one_of(one_id, word), max_size=3), min_size=2, max_size=8))
+    request: dict[str, Any] = {
+        "skip_special_tokens": draw(st.booleans()),
+        "spaces_between_special_tokens": draw(st.booleans()),
+        "stop": draw(st.sampled_from([None, [], ["x"], "ab", [""], ""])),
+        "return_token_ids": draw(st.booleans()),
+        "echo": draw(st.booleans()),
+    }
+    if kind == "chat":
+        request["messages"] = [{"role": "user", "content": "x"}]
+        request["logprobs"] = draw(st.booleans())
+        request["top_logprobs"] = draw(st.sampled_from([0, 1, 2, -1]))
+    else:
+        request["prompt"] = "x"
+        request["logprobs"] = draw(st.sampled_from([None, 0, 1, 2, -1]))
     return {
+        "kind": kind,
         "chunks": [[i for part in c for i in part] for c in chunks],
-        "request": {
-            "messages": [{"role": "user", "content": "x"}],
-            "skip_special_tokens": draw(st.booleans()),
-            "spaces_between_special_tokens": draw(st.booleans()),
-            "stop": draw(st.sampled_from([None, [], ["x"], "ab", [""], ""])),
-            "logprobs": draw(st.booleans()),
-            "top_logprobs": draw(st.sampled_from([0, 1, 2, -1])),
-            "return_token_ids": draw(st.booleans()),
-            "echo": draw(st.booleans()),
-        },
+        "request": request,
         "tops": draw(st.integers(0, 3)),
         "with_logprobs": draw(st.booleans()),
         "finish": draw(st.sampled_from([None, "length", "stop"])),
@@ -105,13 +115,14 @@ def item(
         "stream": True,
         "model": "m",
         "prompt_token_ids": case["prompt"] if n == 0 else None,
-        "chat_request": case["request"],
+        f"{case['kind']}_request": case["request"],
         "generate_chunk": chunk,
         "stream_state": wire,
         "chunk_id": case["chunk_id"],
         "choice_offset": case["offset"],
     }
-    return DERENDER_CHAT.decode(JSON.encode(body))
+    kind = KINDS[case["kind"]]  # type: ignore[index]
+    return kind.derender_batch_json.decode(JSON.encode({"requests": [body]})).requests[0]
 
 
 def outcome(answer: Any, req: Any, tok: ModelTokenizer, s: DerenderSettings) -> Any:
@@ -125,7 +136,7 @@ def outcome(answer: Any, req: Any, tok: ModelTokenizer, s: DerenderSettings) -> 
 def compare(req: Any, tok: ModelTokenizer, s: DerenderSettings) -> BatchStreamAnswer[Any] | None:
     """The lane's answer to `req` against the general path's: the general path's answer (None
     when it refused the call: the lane then raised the same error, or left the call to it)."""
-    expected, lane = outcome(general, req, tok, s), outcome(plain_chat, req, tok, s)
+    expected, lane = outcome(general, req, tok, s), outcome(plain_answer, req, tok, s)
     if isinstance(expected, tuple):
         assert lane is None or lane == expected
         return None
@@ -154,7 +165,8 @@ def test_lane_answers_as_the_general_path(
     data: st.DataObject, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
 ) -> None:
     tok = data.draw(st.sampled_from([tiny_tok, qwen3_tok]))
-    run_stream(data.draw(streams(tok)), tok, {})
+    kind = data.draw(st.sampled_from(["chat", "completion"]))
+    run_stream(data.draw(streams(tok, kind)), tok, {})
 
 
 FORGED = st.fixed_dictionaries(
@@ -182,24 +194,32 @@ def test_lane_refuses_or_leaves_what_the_general_path_refuses(
 ) -> None:
     """States a caller forged (IDs outside the vocabulary, offsets past their windows, tails
     longer than any stop string needs) and chunks with IDs outside it."""
-    case = data.draw(streams(tiny_tok))
+    case = data.draw(streams(tiny_tok, data.draw(st.sampled_from(["chat", "completion"]))))
     if data.draw(st.booleans()):
         case["chunks"][-1] = [*case["chunks"][-1], tiny_tok.vocab_size + 5]
     run_stream(case, tiny_tok, data.draw(FORGED))
 
 
-def test_a_plain_stream_is_answered_by_the_lane(tiny_tok: ModelTokenizer) -> None:
-    """Every chunk after the first of a stream of words (logprobs on): the lane answers it, as
-    the general path would."""
+PLAIN_REQUESTS = {
+    "chat": (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+        b'"logprobs":{"content":[{"token":',
+    ),
+    "completion": ({"prompt": "x", "logprobs": 2}, b'"logprobs":{"text_offset":['),
+}
+
+
+@pytest.mark.parametrize("kind", list(PLAIN_REQUESTS))
+def test_a_plain_stream_is_answered_by_the_lane(tiny_tok: ModelTokenizer, kind: str) -> None:
+    """Every chunk but the first and the last of a stream of words (logprobs on): the lane
+    answers it, as the general path would."""
     text = " the quick brown fox jumps over the lazy dog and again"
     ids = [tiny_tok.encode(" " + w, add_special_tokens=False) for w in text.split(" ")[1:]]
+    request, shown = PLAIN_REQUESTS[kind]
     case = {
+        "kind": kind,
         "chunks": ids,
-        "request": {
-            "messages": [{"role": "user", "content": "x"}],
-            "logprobs": True,
-            "top_logprobs": 2,
-        },
+        "request": request,
         "tops": 2,
         "spread": 1,  # candidates whose text, as the words', needs no context
         "with_logprobs": True,
@@ -213,12 +233,12 @@ def test_a_plain_stream_is_answered_by_the_lane(tiny_tok: ModelTokenizer) -> Non
     for n in range(len(ids)):
         req = item(case, n, state, tiny_tok, {})
         expected = general(req, tiny_tok, SETTINGS)
-        lane = plain_chat(req, tiny_tok, SETTINGS)
+        lane = plain_answer(req, tiny_tok, SETTINGS)
         first_or_last = n in (0, len(ids) - 1)
         assert (lane is None) == first_or_last, n
         if lane is not None:
             answered += 1
-            assert b'"logprobs":{"content":[{' in same_bytes(lane, expected)
+            assert shown in same_bytes(lane, expected)
         state = expected.stream_state
     assert answered == len(ids) - 2
 
@@ -227,11 +247,12 @@ def test_parsers_leave_every_chunk_to_the_general_path(tiny_tok: ModelTokenizer)
     s = dataclasses.replace(SETTINGS, parsers=ParserFlags(reasoning_parser="qwen3"))
     first = general(item(_case([[5], [6]]), 0, None, tiny_tok, {}), tiny_tok, s)
     req = item(_case([[5], [6]]), 1, first.stream_state, tiny_tok, {})
-    assert plain_chat(req, tiny_tok, s) is None
+    assert plain_answer(req, tiny_tok, s) is None
 
 
 def _case(chunks: list[list[int]]) -> dict[str, Any]:
     return {
+        "kind": "chat",
         "chunks": chunks,
         "request": {"messages": [{"role": "user", "content": "x"}]},
         "tops": 0,
