@@ -50,26 +50,30 @@ def plain_answer(
     req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings
 ) -> BatchStreamAnswer[Any] | None:
     """The batch answer to a plain stream chunk (None: the chunk is not plain)."""
-    if not _looks_plain(req, s):
+    client = _plain_client(req, s)
+    if client is None:
         return None
     wire, chunk = req.stream_state, req.generate_chunk
-    assert wire is not None and chunk is not None  # `_looks_plain`
+    assert wire is not None and chunk is not None  # `_plain_client`
     model = checked_call(req, tok, s)[0]
     check_state(wire, tok, NO_STOPS)
     c = chunk.choices[0]
-    ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_looks_plain`
+    ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_plain_client`
     content = c.logprobs.content if c.logprobs is not None else None
     entries = content[: len(ids)] if content is not None else None
-    client, index = req.client, c.index + req.choice_offset
-    assert client is not None  # `_looks_plain`
+    # the tokens' text, by the detokenizer as the general path runs it without stop strings
+    detok = DetokState(wire.detok_ids, wire.detok_prefix, wire.last_special)
+    skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
+    text = "".join(map(Detokenizer(tok, skip, spaces, detok).feed, ids))
+    shown = c.index + req.choice_offset, ids, text
     made = (
-        _chat_choice(tok, client, wire, index, ids, entries)
+        _chat_choice(tok, client, shown, entries, wire.logprob_text_offset)
         if isinstance(client, ChatCompletionRequest)
-        else _completion_choice(tok, client, wire, index, ids, entries)
+        else _completion_choice(tok, client, shown, entries, wire.logprob_text_offset)
     )
     if made is None:
         return None
-    choice, detok, offset = made
+    choice, offset = made
     completion_tokens = wire.completion_tokens + len(ids)
     shape = ChatCompletionChunk if isinstance(choice, ChatStreamChoice) else CompletionChunk
     return BatchStreamAnswer(
@@ -94,9 +98,13 @@ def plain_answer(
     )
 
 
-def _looks_plain(req: DerenderRequest, s: DerenderSettings) -> bool:
-    """Past the first chunk (chat's role shown), one choice with tokens and no end, no usage,
-    no stop strings, nothing held back or stopped, no parsers: before any check."""
+def _plain_client(
+    req: DerenderRequest, s: DerenderSettings
+) -> ChatCompletionRequest | CompletionRequest | None:
+    """The call's client request if the call looks plain (None: it does not), before any
+    check: past the first chunk (chat's role shown), one choice with tokens and no end, no
+    usage, no stop strings, nothing held back or stopped, no parsers. (A batch item decodes
+    its client request when asked, from a cache: it is asked once.)"""
     wire, chunk, client = req.stream_state, req.generate_chunk, req.client
     if (
         wire is None
@@ -110,57 +118,57 @@ def _looks_plain(req: DerenderRequest, s: DerenderSettings) -> bool:
         or wire.parser is not None
         or wire.reasoning_tokens is not None
     ):
-        return False
+        return None
     c = chunk.choices[0]
     if not c.token_ids or c.finish_reason is not None or c.stop_reason is not None:
-        return False
-    return not isinstance(req, DerenderChatRequest) or (wire.role_sent and not s.parsers.any)
+        return None
+    if isinstance(req, DerenderChatRequest) and not (wire.role_sent and not s.parsers.any):
+        return None
+    return client
 
 
-Made = tuple[Any, DetokState, int]
-"""A plain chunk's choice, the detokenizer's window after it,
-and where the next chunk's logprob text starts."""
+Shown = tuple[int, list[int], str]
+"""A plain chunk's choice as shown: its index, its tokens and their text."""
+Made = tuple[Any, int]
+"""A plain chunk's choice, and where the next chunk's logprob text starts."""
 
 
 def _chat_choice(
     tok: ModelTokenizer,
     client: ChatCompletionRequest,
-    wire: DerenderStreamState,
-    index: int,
-    ids: list[int],
+    shown: Shown,
     content: list[GenerateLogProbsContent] | None,
+    offset: int,
 ) -> Made | None:
-    """The choice of `ids` at `index` (None: left to the general path)."""
+    """The choice shown (None: left to the general path); chat's offsets do not move."""
+    index, ids, text = shown
     logprobs = _chat_logprobs(tok, content, client)
     if logprobs is False:
         return None
-    text, detok = _text(tok, client, wire, ids)
     choice = ChatStreamChoice(
         index=index,
         delta=Delta(content=text or None),
         logprobs=logprobs,
         token_ids=ids if client.return_token_ids else None,
     )
-    return choice, detok, wire.logprob_text_offset
+    return choice, offset
 
 
 def _completion_choice(
     tok: ModelTokenizer,
     client: CompletionRequest,
-    wire: DerenderStreamState,
-    index: int,
-    ids: list[int],
+    shown: Shown,
     content: list[GenerateLogProbsContent] | None,
+    offset: int,
 ) -> Made | None:
-    """The choice of `ids` at `index` (None: left to the general path)."""
-    offset = wire.logprob_text_offset
+    """The choice shown (None: left to the general path), its logprob text from `offset`."""
+    index, ids, text = shown
     logprobs = _completion_logprobs(tok, content, client, offset)
     if logprobs is False:
         return None
     if logprobs is not None and logprobs.tokens:
         # monolithic vLLM continues offsets by token lengths, not by the text sent
         offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-    text, detok = _text(tok, client, wire, ids)
     choice = CompletionStreamChoice(
         index=index,
         text=text,
@@ -168,20 +176,7 @@ def _completion_choice(
         finish_reason=None,
         token_ids=ids if client.return_token_ids else None,
     )
-    return choice, detok, offset
-
-
-def _text(
-    tok: ModelTokenizer,
-    client: ChatCompletionRequest | CompletionRequest,
-    wire: DerenderStreamState,
-    ids: list[int],
-) -> tuple[str, DetokState]:
-    """The tokens' text and the detokenizer's window after them, by the detokenizer as the
-    general path runs it without stop strings."""
-    state = DetokState(wire.detok_ids, wire.detok_prefix, wire.last_special)
-    skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
-    return "".join(map(Detokenizer(tok, skip, spaces, state).feed, ids)), state
+    return choice, offset
 
 
 def _chat_logprobs(
