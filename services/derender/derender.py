@@ -222,7 +222,8 @@ def checked_call(
         else _stream_prompt_ids(req.prompt_token_ids)
     )
     check_prompt_ids(prompt_ids, tok, s)
-    return (model, prompt_ids, *_checked_chunk(req, tok, s))
+    chunk, choice = _checked_chunk(req, tok, s)
+    return model, prompt_ids, chunk, choice
 
 
 def _checked_chunk(

@@ -35,7 +35,6 @@ from tokenline.shared.wire import (
     CompletionRequest,
     CompletionStreamChoice,
     Delta,
-    DerenderChatRequest,
     DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbsContent,
@@ -122,7 +121,9 @@ def _plain_client(
     c = chunk.choices[0]
     if not c.token_ids or c.finish_reason is not None or c.stop_reason is not None:
         return None
-    if isinstance(req, DerenderChatRequest) and not (wire.role_sent and not s.parsers.any):
+    # (by the client request's exact type: an isinstance check against a batch item's base
+    # class goes through the metaclass, ~5x slower)
+    if isinstance(client, ChatCompletionRequest) and not (wire.role_sent and not s.parsers.any):
         return None
     return client
 
