@@ -133,6 +133,7 @@ class ChoiceState(msgspec.Struct, gc=False):
 
 
 def check_state(s: DerenderStreamState, tok: ModelTokenizer, options: ChoiceOptions) -> None:
+    """What the schema cannot check of a caller's state: its windows and IDs (`from_wire`)."""
     _check_windows(s, options)
     _check_vocabulary(s, tok.vocab_size)
 
