@@ -1,44 +1,39 @@
 """A plain stream chunk's answer without the general machinery (pure).
 
 Most chunks of a stream are plain: past the first, one choice, not the last, no stop strings,
-no parsers, and every logprob token the same in any context (the per-token caches of `texts.py`
-already hold them). For such a chunk `derender_stream` builds a dozen objects (options, state,
-decoder, output, resolver, call) to find what the caches give in a lookup each. `plain_answer`
-answers it from the caches and the detokenizer, after the same checks, and leaves everything
-else (None) to the general path; tests hold the two to the same bytes for every chunk it
-answers, of either kind.
+no parsers. For such a chunk `derender_stream` builds a dozen objects (options, state, decoder,
+output, call) around the two pieces that do the work. `plain_answer` runs those two, the
+detokenizer and the logprob resolver, after the same checks, and leaves everything else (None)
+to the general path; tests hold the two to the same bytes for every chunk it answers, of
+either kind.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.choice import ChoiceOptions, check_state
 from tokenline.services.derender.derender import DerenderRequest, checked_call
 from tokenline.services.derender.detok import Detokenizer, DetokState
-from tokenline.services.derender.logprobs import completion_candidates
+from tokenline.services.derender.logprobs import LogprobResolver
 from tokenline.services.derender.parts import chat_top
-from tokenline.services.derender.texts import Decoded, token_texts
 from tokenline.shared.limits import LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     BatchStreamAnswer,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatLogprob,
     ChatLogprobs,
     ChatStreamChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionStreamChoice,
     Delta,
     DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbsContent,
-    TopLogprob,
 )
 
 NO_STOPS = ChoiceOptions()
@@ -65,16 +60,14 @@ def plain_answer(
     skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
     text = "".join(map(Detokenizer(tok, skip, spaces, detok).feed, ids))
     shown = c.index + req.choice_offset, ids, text
-    made = (
-        _chat_choice(tok, client, shown, entries, wire.logprob_text_offset)
+    context, offset = wire.logprob_context_token_ids, wire.logprob_text_offset
+    choice, offset = (
+        _chat_choice(tok, client, shown, entries, context, offset)
         if isinstance(client, ChatCompletionRequest)
-        else _completion_choice(tok, client, shown, entries, wire.logprob_text_offset)
+        else _completion_choice(tok, client, shown, entries, context, offset)
     )
-    if made is None:
-        return None
-    choice, offset = made
     completion_tokens = wire.completion_tokens + len(ids)
-    shape = ChatCompletionChunk if isinstance(choice, ChatStreamChoice) else CompletionChunk
+    shape: Any = ChatCompletionChunk if isinstance(choice, ChatStreamChoice) else CompletionChunk
     return BatchStreamAnswer(
         chunk=shape(
             id=req.chunk_id or chunk.request_id,
@@ -84,7 +77,7 @@ def plain_answer(
         ),
         stream_state=DerenderStreamState(
             role_sent=wire.role_sent,
-            logprob_context_token_ids=[*wire.logprob_context_token_ids, *ids][-LOGPROB_CONTEXT:],
+            logprob_context_token_ids=[*context, *ids][-LOGPROB_CONTEXT:],
             logprob_text_offset=offset,
             detok_ids=detok.ids,
             detok_prefix=detok.prefix,
@@ -130,8 +123,6 @@ def _plain_client(
 
 Shown = tuple[int, list[int], str]
 """A plain chunk's choice as shown: its index, its tokens and their text."""
-Made = tuple[Any, int]
-"""A plain chunk's choice, and where the next chunk's logprob text starts."""
 
 
 def _chat_choice(
@@ -139,13 +130,17 @@ def _chat_choice(
     client: ChatCompletionRequest,
     shown: Shown,
     content: list[GenerateLogProbsContent] | None,
+    context: list[int],
     offset: int,
-) -> Made | None:
-    """The choice shown (None: left to the general path); chat's offsets do not move."""
+) -> tuple[ChatStreamChoice, int]:
+    """The choice shown, and where the next chunk's logprob text starts (chat's does not
+    move); `context`: the sampled IDs before this chunk, for the logprob resolver."""
     index, ids, text = shown
-    logprobs = _chat_logprobs(tok, content, client)
-    if logprobs is False:
-        return None
+    logprobs = None
+    if content is not None and client.logprobs:
+        logprobs = ChatLogprobs(
+            content=LogprobResolver(tok, context).chat(content, chat_top(client))
+        )
     choice = ChatStreamChoice(
         index=index,
         delta=Delta(content=text or None),
@@ -160,16 +155,17 @@ def _completion_choice(
     client: CompletionRequest,
     shown: Shown,
     content: list[GenerateLogProbsContent] | None,
+    context: list[int],
     offset: int,
-) -> Made | None:
-    """The choice shown (None: left to the general path), its logprob text from `offset`."""
+) -> tuple[CompletionStreamChoice, int]:
+    """`_chat_choice` for completions, whose logprob text starts at `offset`."""
     index, ids, text = shown
-    logprobs = _completion_logprobs(tok, content, client, offset)
-    if logprobs is False:
-        return None
-    if logprobs is not None and logprobs.tokens:
-        # monolithic vLLM continues offsets by token lengths, not by the text sent
-        offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+    logprobs = None
+    if content is not None and client.logprobs is not None:
+        logprobs = LogprobResolver(tok, context).completion(content, client.logprobs, offset)
+        if logprobs.tokens:
+            # monolithic vLLM continues offsets by token lengths, not by the text sent
+            offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
     choice = CompletionStreamChoice(
         index=index,
         text=text,
@@ -178,63 +174,3 @@ def _completion_choice(
         token_ids=ids if client.return_token_ids else None,
     )
     return choice, offset
-
-
-def _chat_logprobs(
-    tok: ModelTokenizer,
-    content: list[GenerateLogProbsContent] | None,
-    client: ChatCompletionRequest,
-) -> ChatLogprobs | Literal[False] | None:
-    """The chunk's chat logprobs (None: not asked for, or none came; False: a token among them
-    needs its context, which the general path brings)."""
-    if content is None or not client.logprobs:
-        return None
-    known = token_texts(tok).decoded
-    top = chat_top(client)
-    out = []
-    for e in content:
-        sampled = known.get(e.token_id)
-        if sampled is None:
-            return False
-        alts = []
-        for t in e.top_logprobs if top is None else e.top_logprobs[:top]:
-            d = known.get(t.token_id)
-            if d is None:
-                return False
-            alts.append(TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes))
-        token, logprob = sampled.token, e.logprob
-        out.append(
-            ChatLogprob(token=token, logprob=logprob, bytes=sampled.bytes, top_logprobs=alts)
-        )
-    return ChatLogprobs(content=out)
-
-
-def _completion_logprobs(
-    tok: ModelTokenizer,
-    content: list[GenerateLogProbsContent] | None,
-    client: CompletionRequest,
-    offset: int,
-) -> CompletionLogprobs | Literal[False] | None:
-    """`_chat_logprobs` for completions, the first token's text at `offset`."""
-    if content is None or client.logprobs is None:
-        return None
-    known: dict[int, Decoded | None] = token_texts(tok).decoded
-    out = CompletionLogprobs()
-    for e in content:
-        sampled = known.get(e.token_id)
-        if sampled is None:
-            return False
-        tops: dict[str, float] | None = None
-        if e.top_logprobs:
-            tops = {}
-            for t in completion_candidates(e, client.logprobs):
-                d = known.get(t.token_id)
-                if d is None:
-                    return False
-                tops[d.token] = t.logprob
-        out.text_offset.append(offset)
-        out.tokens.append(sampled.token)
-        out.token_logprobs.append(e.logprob)
-        out.top_logprobs.append(tops)
-        offset += len(sampled.token)
-    return out

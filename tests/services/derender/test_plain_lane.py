@@ -40,16 +40,16 @@ def same_bytes(a: BatchStreamAnswer[Any], b: BatchStreamAnswer[Any]) -> bytes:
     return one
 
 
-def entries(ids: list[int], vocab: int, tops: int, spread: int = 7) -> list[dict[str, Any]]:
-    """Each token's entry with `tops` candidates (IDs spread over the vocabulary by `spread`;
-    1 repeats the sampled ID)."""
+def entries(ids: list[int], vocab: int, tops: int) -> list[dict[str, Any]]:
+    """Each token's entry with `tops` candidates (IDs spread over the vocabulary, some of
+    them pieces of characters whose text needs the tokens before them)."""
     return [
         {
             "token_id": t,
             "logprob": -0.25 * (n + 1),
             "rank": 1,
             "top_logprobs": [
-                {"token_id": (t * spread + k - 1) % vocab, "logprob": -1.0 * k, "rank": k}
+                {"token_id": (t * 7 + k - 1) % vocab, "logprob": -1.0 * k, "rank": k}
                 for k in range(1, tops + 1)
             ],
         }
@@ -105,7 +105,7 @@ def item(
         "finish_reason": case["finish"] if last else None,
     }
     if case["with_logprobs"]:
-        content = entries(ids, tok.vocab_size, case["tops"], case.get("spread", 7))
+        content = entries(ids, tok.vocab_size, case["tops"])
         choice["logprobs"] = {"content": content}
     chunk: dict[str, Any] = {"request_id": "generate-1", "choices": [choice]}
     if case["usage"] and last:
@@ -213,7 +213,7 @@ PLAIN_REQUESTS = {
 def test_a_plain_stream_is_answered_by_the_lane(tiny_tok: ModelTokenizer, kind: str) -> None:
     """Every chunk but the first and the last of a stream of words (logprobs on): the lane
     answers it, as the general path would."""
-    text = " the quick brown fox jumps over the lazy dog and again"
+    text = " the quick brown fox jumps over the lazy dog 鑫龘 😀 and again"
     ids = [tiny_tok.encode(" " + w, add_special_tokens=False) for w in text.split(" ")[1:]]
     request, shown = PLAIN_REQUESTS[kind]
     case = {
@@ -221,7 +221,6 @@ def test_a_plain_stream_is_answered_by_the_lane(tiny_tok: ModelTokenizer, kind: 
         "chunks": ids,
         "request": request,
         "tops": 2,
-        "spread": 1,  # candidates whose text, as the words', needs no context
         "with_logprobs": True,
         "finish": "length",
         "usage": False,
