@@ -11,10 +11,10 @@ from aiohttp import web
 
 from tokenline.shared.config import Option, Port, Positive
 from tokenline.shared.cpu import CpuPolicy
-from tokenline.shared.errors import NotFound
+from tokenline.shared.errors import BadRequest, NotFound
 from tokenline.shared.http import json_response
 from tokenline.shared.metrics import ServiceMetrics
-from tokenline.shared.wire import ModelCard, ModelList
+from tokenline.shared.wire import ModelCard, ModelList, Stop
 
 
 class ModelService(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +54,16 @@ def served_name(requested: str | None, names: tuple[str, ...]) -> str:
             param="model",
         )
     return requested
+
+
+def stop_list(stop: Stop) -> list[str]:
+    """A request's stop strings as a list. An empty one is refused, as vLLM's engine refuses it
+    (`SamplingParams`): by render, before any engine sees it, and by derender's own routes, which
+    would otherwise have to ignore it (it matches everywhere and nowhere)."""
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(s == "" for s in strings):
+        raise BadRequest("stop cannot contain an empty string.", param="stop")
+    return strings
 
 
 async def health(request: web.Request) -> web.Response:

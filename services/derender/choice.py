@@ -20,6 +20,7 @@ from tokenline.services.derender.detok import Detokenizer, DetokState, seed
 from tokenline.services.derender.stops import STOP_TAIL_CHARS, StopChecker, StopState, tail_room
 from tokenline.shared.errors import InvalidStreamState
 from tokenline.shared.limits import DETOK_MAX_WINDOW, LOGPROB_CONTEXT
+from tokenline.shared.served import stop_list
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     ChatCompletionRequest,
@@ -61,11 +62,9 @@ NO_IDS: frozenset[int] = frozenset()
 
 
 def _stops(stop: Stop) -> tuple[str, ...]:
-    """The stop strings to look for, empty ones left out (a lone one too: it would hold back
-    minus one character; render refuses them before any engine sees them, as vLLM does)."""
-    if isinstance(stop, str):
-        return (stop,) if stop else ()
-    return tuple([s for s in stop if s]) if stop else ()
+    """The stop strings to look for; an empty one is refused (400), as render and vLLM's engine
+    refuse it (it would hold back minus one character)."""
+    return tuple(stop_list(stop)) if stop is not None else ()
 
 
 class ReasoningCount(msgspec.Struct, frozen=True, gc=False):

@@ -104,7 +104,7 @@ def _plain_client(
         or client is None
         or len(chunk.choices) != 1
         or chunk.usage is not None
-        or client.stop
+        or client.stop not in (None, [])  # a lone "" too: the general path refuses it
         or wire.stopped
         or wire.unsent_chars
         or wire.parser is not None

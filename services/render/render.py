@@ -31,7 +31,6 @@ from tokenline.services.render.sampling import (
     max_tokens_for,
     prompt_logprobs_of,
     sampling_params,
-    stop_list,
 )
 from tokenline.services.render.tools import (
     ToolFlags,
@@ -42,7 +41,7 @@ from tokenline.services.render.tools import (
 )
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.limits import MAX_LOGPROBS
-from tokenline.shared.served import served_name
+from tokenline.shared.served import served_name, stop_list
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     NOT_HONOURED,

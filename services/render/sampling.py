@@ -11,17 +11,11 @@ from typing import Any
 
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.limits import MAX_LOGPROBS
+from tokenline.shared.served import stop_list
 from tokenline.shared.tokenizer import SAMPLING_DEFAULTS, ModelTokenizer
 from tokenline.shared.wire import ChatCompletionRequest, CompletionRequest, SamplingParams
 
 OUTPUT_DELTA, OUTPUT_FINAL_ONLY = 1, 2
-
-
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    strings = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(s == "" for s in strings):
-        raise BadRequest("stop cannot contain an empty string.", param="stop")
-    return strings
 
 
 def max_tokens_for(

@@ -236,6 +236,23 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         {"stream": True, "generate_chunk": _choice([1]), "stream_state": "garbage"},
         "stream_state",
     ),
+    (  # an empty stop string: refused as render and vLLM's engine refuse it, never ignored
+        "/v1/chat/completions/derender",
+        {
+            "generate_response": _choice([1]),
+            "chat_request": {"messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]},
+        },
+        "stop cannot contain an empty string",
+    ),
+    (
+        "/v1/completions/derender",
+        {
+            "stream": True,
+            "generate_chunk": _choice([1]),
+            "completion_request": {"prompt": "x", "stop": ""},
+        },
+        "stop cannot contain an empty string",
+    ),
     ("/v1/completions/derender", {"generate_responses": []}, "empty"),
     (
         "/v1/completions/derender",

@@ -18,7 +18,7 @@ from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.derender import PIECES, derender_stream
 from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.plain import plain_answer
-from tokenline.shared.errors import ServiceError
+from tokenline.shared.errors import BadRequest, ServiceError
 from tokenline.shared.kinds import KINDS
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import JSON, BatchStreamAnswer
@@ -264,14 +264,20 @@ def _case(chunks: list[list[int]]) -> dict[str, Any]:
     }
 
 
-def test_a_lone_empty_stop_string_is_none(tiny_tok: ModelTokenizer) -> None:
-    """As an empty one in a list (it used to leave a state that held back minus one character,
-    which the next call refused)."""
-    for stop in ("", [""], None):
-        case = _case([tiny_tok.encode(w, add_special_tokens=False) for w in ("a b", " c", " d")])
-        case["request"]["stop"] = stop
-        state, text = None, ""
-        for n in range(3):
-            answer = general(item(case, n, state, tiny_tok, {}), tiny_tok, SETTINGS)
-            state, text = answer.stream_state, text + answer.chunk.choices[0].delta.content
-        assert (text, state.unsent_chars, state.stop_tail) == ("a b c d", 0, ""), stop
+def test_an_empty_stop_string_is_refused(tiny_tok: ModelTokenizer) -> None:
+    """Alone or in a list, as render and vLLM's engine refuse it (a lone one used to leave a
+    state that held back minus one character, which the next call refused; one in a list was
+    ignored), at the first chunk and at any later one; the lane leaves such calls to the
+    general path."""
+    case = _case([tiny_tok.encode(w, add_special_tokens=False) for w in ("a b", " c", " d")])
+    state = None
+    for n in range(3):
+        for stop in ("", [""], ["x", ""]):
+            with_stop = {**case, "request": {**case["request"], "stop": stop}}
+            req = item(with_stop, n, state, tiny_tok, {})
+            assert plain_answer(req, tiny_tok, SETTINGS) is None, (n, stop)
+            with pytest.raises(BadRequest) as refused:
+                general(req, tiny_tok, SETTINGS)
+            assert refused.value.param == "stop", (n, stop)
+            assert refused.value.message == "stop cannot contain an empty string.", (n, stop)
+        state = general(item(case, n, state, tiny_tok, {}), tiny_tok, SETTINGS).stream_state
