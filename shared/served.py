@@ -1,5 +1,5 @@
-"""What render and derender share: the model they serve, under which names, on which port, and
-how the kernel schedules them."""
+"""What render and derender share: the model they serve, under which names, on which port, how
+the kernel schedules them, and which stop strings a request may ask for."""
 
 from __future__ import annotations
 
