@@ -605,7 +605,7 @@ class Client:
         the body's end closes the connection; after it, the connection is kept for reuse."""
         limits = limits or NO_LIMITS
         to = target(url)
-        request = _request_bytes(method, to, body, headers)
+        request = request_bytes(method, to, body, headers)
         conn, head = await self._answered(to.origin, request, limits, method in IDEMPOTENT)
         try:
             yield Response(conn, head)
@@ -714,9 +714,7 @@ class Client:
         await asyncio.sleep(0)  # let the transports run their connection_lost
 
 
-def _request_bytes(
-    method: str, to: Target, body: bytes, headers: Mapping[str, str] | None
-) -> bytes:
+def request_bytes(method: str, to: Target, body: bytes, headers: Mapping[str, str] | None) -> bytes:
     lines = [f"{method} {to.path} HTTP/1.1", f"Host: {to.host_header}"]
     if headers:
         for name, value in headers.items():

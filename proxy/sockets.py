@@ -1,5 +1,6 @@
-"""The batched derender transport's carrier: one WebSocket per derender replica, opened on first
-use and kept, batches multiplexed on it by id (`shared/frames.py`).
+"""The batched derender transport's carrier: one batch socket per derender replica, opened on
+first use and kept, batches multiplexed on it by id (`shared/frames.py`: a connection upgraded
+to `tokenline-frames`, then frames each behind its length).
 
 A socket that fails (closed, reset, an unreadable frame, a batch that timed out on it, its
 replica out of the rotation) fails every batch waiting on it as the replica's fault and is
@@ -11,14 +12,12 @@ is that batch's alone and leaves the socket be. Retrying on another replica is t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-
-from tokenline.proxy.h1 import Limits
+from tokenline.proxy.h1 import Broken, Limits, Unsendable, parse_head, request_bytes, target
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.upstream import rejected_or_failed
 from tokenline.shared.errors import (
@@ -30,66 +29,111 @@ from tokenline.shared.errors import (
 from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,
     MAX_ANSWER_FRAME,
+    UPGRADE,
     FrameError,
+    FrameReader,
     call_frame,
     read_answer,
 )
 
 Answered = asyncio.Future[tuple[int, bytes]]
+MAX_HEAD = 16 * 1024
+"""The longest answer head to the upgrade the proxy reads."""
 
 
-@dataclass(eq=False)
-class _Socket:
-    worker: Worker
-    ws: aiohttp.ClientWebSocketResponse
-    waiting: dict[int, Answered] = field(default_factory=dict)
-    reader: asyncio.Task[None] | None = None
-    failure: ServiceError | None = None
-    """Why the socket is done for (set once): each waiting batch fails with a copy of it."""
-    abandoned: Callable[[], None] | None = None
-    """In `worker.watching` while the socket is kept: drops it when the replica leaves the
-    rotation."""
+class _Socket(asyncio.Protocol):
+    """One replica's batch socket: the upgrade's answer, then answers to their callers until
+    the connection fails; then every caller fails."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.transport: asyncio.Transport | None = None
+        self.head = b""
+        self.upgraded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.frames = FrameReader(MAX_ANSWER_FRAME)
+        self.waiting: dict[int, Answered] = {}
+        self.failure: ServiceError | None = None
+        """Why the socket is done for (set once): each waiting batch fails with a copy of it."""
+        self.abandoned: Callable[[], None] | None = None
+        """In `worker.watching` while the socket is kept: drops it when the replica leaves the
+        rotation."""
 
     @property
     def url(self) -> str:
         return self.worker.url
 
-    async def read(self) -> None:
-        """Answers to their callers until the socket fails; then every caller fails."""
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.failure is not None:  # closing: what is still read is for no one
+            return
         try:
-            async for message in self.ws:
-                if message.type is not aiohttp.WSMsgType.BINARY:
-                    raise FrameError(f"a {message.type.name} message")
-                call_id, status, body = read_answer(message.data)
+            if not self.upgraded.done():
+                data = self._upgrade(data)
+            for frame in self.frames.feed(data):
+                call_id, status, body = read_answer(frame)
                 future = self.waiting.pop(call_id, None)
                 if future is not None and not future.done():
                     future.set_result((status, body))
-            code = self.ws.close_code
-            self.fail(UpstreamUnavailable(f"derender {self.url} closed its batch socket ({code})"))
         except FrameError as exc:
-            self.fail(UpstreamError(f"derender {self.url} sent an unreadable frame: {exc}"))
-        except (aiohttp.ClientError, OSError) as exc:
-            self.fail(UpstreamUnavailable(f"derender {self.url} batch socket: {exc!r}"))
-        finally:
-            self.fail(UpstreamUnavailable(f"derender {self.url}: its batch socket was closed"))
-            failure = self.failure
-            assert failure is not None
-            for future in self.waiting.values():
-                if not future.done():
-                    future.set_exception(type(failure)(failure.message))
-            self.waiting.clear()
+            self.close(UpstreamError(f"derender {self.url} sent an unreadable frame: {exc}"))
+        except ServiceError as exc:
+            self.close(exc)
+
+    def _upgrade(self, data: bytes) -> bytes:
+        """The upgrade's answer read (what follows it is frames), or more of it awaited."""
+        head = self.head + data
+        end = head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(head) > MAX_HEAD:
+                raise UpstreamError(f"derender {self.url} answered the upgrade with no end")
+            self.head = head
+            return b""
+        self.head = b""
+        try:
+            answer = parse_head(head[:end])
+        except Broken as exc:
+            raise UpstreamError(f"derender {self.url} answered the upgrade: {exc}") from None
+        if answer.status != 101 or answer.tokens("upgrade") != [UPGRADE]:
+            raise UpstreamUnavailable(
+                f"derender {self.url} has no batch socket ({answer.status}): is it tokenline's?"
+            )
+        self.upgraded.set_result(None)
+        return head[end + 4 :]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f": {exc!r}" if exc is not None else ""
+        self.fail(UpstreamUnavailable(f"derender {self.url} closed its batch socket{why}"))
+
+    def send(self, call_id: int, kind: str, body: bytes) -> None:
+        """A call's frame written (a failed socket raises its failure)."""
+        if self.failure is not None:
+            raise type(self.failure)(self.failure.message)
+        assert self.transport is not None
+        self.transport.writelines(call_frame(call_id, kind, body))
 
     def fail(self, failure: ServiceError) -> None:
+        """The socket is done for: whatever waits on it fails with a copy of `failure` (the
+        first one given)."""
         if self.failure is None:
             self.failure = failure
+        failure = self.failure
+        if not self.upgraded.done():
+            self.upgraded.set_exception(type(failure)(failure.message))
+            self.upgraded.exception()  # retrieved: an opening that timed out awaits it no more
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(type(failure)(failure.message))
+        self.waiting.clear()
 
-    async def close(self) -> None:
-        """The reader stopped (failing what waits) and the socket closed."""
-        if self.reader is not None:
-            self.reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.reader
-        await self.ws.close()
+    def close(self, failure: ServiceError | None = None) -> None:
+        """The connection closed, failing what waits on it (with `failure`, if given first)."""
+        if failure is not None:
+            self.fail(failure)
+        self.fail(UpstreamUnavailable(f"derender {self.url}: its batch socket was closed"))
+        if self.transport is not None:
+            self.transport.close()
 
 
 @dataclass
@@ -97,13 +141,12 @@ class BatchSockets:
     """Every derender replica's batch socket; the owner (the batched transport) closes them."""
 
     limits: Limits
-    """Connect: the longest a socket takes to open; read: the longest a batch's frame takes
-    to go out and its answer to come back."""
-    session: aiohttp.ClientSession | None = None
+    """Connect: the longest a socket takes to open (its upgrade answered); read: the longest a
+    batch's frame takes to go out and its answer to come back."""
     sockets: dict[str, _Socket] = field(default_factory=dict)
     opening: dict[str, asyncio.Lock] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
-    closing: set[asyncio.Task[None]] = field(default_factory=set)
+    tls: ssl.SSLContext | None = None
 
     async def exchange(self, worker: Worker, kind: str, body: bytes) -> bytes:
         """The batch route's answer to `body` (at most `MAX_BATCH_BODY` bytes) from `worker`; an
@@ -114,18 +157,14 @@ class BatchSockets:
         sock.waiting[call_id] = future
         try:
             async with asyncio.timeout(self.limits.read):
-                await sock.ws.send_bytes(call_frame(call_id, kind, body))
+                sock.send(call_id, kind, body)
                 status, data = await future
         except TimeoutError as exc:
-            failure: ServiceError = UpstreamTimeout(f"derender {worker.url} timed out on a batch")
+            failure = UpstreamTimeout(f"derender {worker.url} timed out on a batch")
             self.drop(sock, failure)  # hung: what else waits on it would time out too
             raise failure from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            failure = UpstreamUnavailable(f"derender {worker.url} batch socket: {exc!r}")
-            self.drop(sock, failure)
-            raise failure from exc
         except ServiceError:
-            self.drop(sock)  # the reader failed it: the socket is done for
+            self.drop(sock)  # the socket failed: it is done for
             raise
         finally:
             sock.waiting.pop(call_id, None)
@@ -139,18 +178,14 @@ class BatchSockets:
 
     def drop(self, sock: _Socket, failure: ServiceError | None = None) -> None:
         """`sock` failed (or its replica left the rotation): what waits on it fails with
-        `failure`, it closes beside the caller (who retries elsewhere at once), and the next
-        call to its replica opens a new one (a newer socket of the replica's is left be)."""
+        `failure`, it closes (the caller retries elsewhere at once), and the next call to its
+        replica opens a new one (a newer socket of the replica's is left be)."""
         if self.sockets.get(sock.url) is sock:
             del self.sockets[sock.url]
         if sock.abandoned is not None:
             sock.worker.watching.discard(sock.abandoned)
             sock.abandoned = None
-        if failure is not None:
-            sock.fail(type(failure)(failure.message))
-        task = asyncio.create_task(sock.close())
-        self.closing.add(task)
-        task.add_done_callback(self.closing.discard)
+        sock.close(failure)
 
     async def _socket(self, worker: Worker) -> _Socket:
         sock = self.sockets.get(worker.url)
@@ -166,22 +201,32 @@ class BatchSockets:
             return await self._open(worker)
 
     async def _open(self, worker: Worker) -> _Socket:
-        if self.session is None:
-            # no pooled connections to share: each socket holds its own
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        try:
+            to = target(worker.url + BATCH_SOCKET_PATH)
+        except Unsendable as exc:
+            raise UpstreamUnavailable(f"derender {worker.url} unreachable: {exc}") from exc
+        scheme, host, port = to.origin
+        tls = self._tls() if scheme == "https" else None
+        upgrade = {"Connection": "Upgrade", "Upgrade": UPGRADE}
+        sock: _Socket | None = None
         try:
             async with asyncio.timeout(self.limits.connect):
-                ws = await self.session.ws_connect(
-                    worker.url + BATCH_SOCKET_PATH, max_msg_size=MAX_ANSWER_FRAME
+                _, sock = await asyncio.get_running_loop().create_connection(
+                    lambda: _Socket(worker),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls else None,
                 )
-        except aiohttp.WSServerHandshakeError as exc:
-            raise UpstreamUnavailable(
-                f"derender {worker.url} has no batch socket ({exc.status}): is it tokenline's?"
-            ) from exc
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                assert sock.transport is not None
+                sock.transport.write(request_bytes("GET", to, b"", upgrade))
+                await sock.upgraded
+        except (OSError, TimeoutError, ServiceError) as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, ServiceError):
+                raise
             raise UpstreamUnavailable(f"derender {worker.url} unreachable: {exc!r}") from exc
-        sock = _Socket(worker, ws)
-        sock.reader = asyncio.create_task(sock.read())
         self.sockets[worker.url] = sock
 
         def abandoned() -> None:
@@ -191,9 +236,12 @@ class BatchSockets:
         worker.watching.add(abandoned)
         return sock
 
+    def _tls(self) -> ssl.SSLContext:
+        if self.tls is None:
+            self.tls = ssl.create_default_context()
+        return self.tls
+
     async def close(self) -> None:
         for sock in list(self.sockets.values()):
             self.drop(sock)
-        await asyncio.gather(*self.closing, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        await asyncio.sleep(0)  # let the transports run their connection_lost

@@ -52,7 +52,7 @@ from tokenline.launch.process import Process
 from tokenline.services.derender.app import make_app
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.generate.launcher import ENGINE_CORE
-from tokenline.shared.frames import BATCH_SOCKET_PATH, call_frame, read_answer
+from tokenline.shared.frames import BATCH_SOCKET_PATH
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
 
@@ -759,39 +759,13 @@ async def test_wake_bench_chains_its_batches_through_derender(
 
 
 def test_wake_bench_runs_for_real() -> None:
-    """One short run: derender and both echoes each measured back to back and paced."""
+    """One short run: derender and the echo each measured back to back and paced."""
     argv = [sys.executable, "-m", "tokenline.launch.bench.wake"]
     args = ["--streams", "4", "--batches", "20", "--rate", "100", "--rounds", "1"]
     out = subprocess.run([*argv, *args], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("derender", "echo", "raw"):
+    for name in ("derender", "echo"):
         line = next(x for x in out.stdout.splitlines() if x.split()[:1] == [name])
         found = re.search(r"back to back +([\d.]+) us CPU per item +paced +([\d.]+) us", line)
         assert found is not None, line
         assert float(found[1]) > 0 and float(found[2]) > 0, line
-
-
-def test_the_raw_echo_answers_frames_however_they_are_split() -> None:
-    """Frames that arrive cut anywhere, or several in one read, are each answered once, whole."""
-
-    class Written:
-        def __init__(self) -> None:
-            self.data = b""
-
-        def write(self, data: bytes) -> None:
-            self.data += data
-
-    frames = [call_frame(n, "chat", b'{"requests":[%d]}' % n) for n in range(3)]
-    stream = b"".join(wake.LENGTH.pack(len(f)) + f for f in frames)
-    for cut in range(1, len(stream)):
-        echo, out = wake.RawEcho(), Written()
-        echo.transport = out  # type: ignore[assignment]
-        echo.data_received(stream[:cut])
-        echo.data_received(stream[cut:])
-        answers, rest = [], out.data
-        while rest:
-            (size,) = wake.LENGTH.unpack_from(rest)
-            answers.append(read_answer(rest[4 : 4 + size]))
-            rest = rest[4 + size :]
-        assert answers == [(n, 200, b'{"requests":[%d]}' % n) for n in range(3)], cut
-        assert echo.buffer == b""

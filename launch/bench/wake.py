@@ -1,6 +1,5 @@
 """What a wake-up costs: derender's CPU per batch item when its batches come back to back
-against when they come paced, one per engine step, and a bare WebSocket echo the same two ways,
-and an echo on a bare event-loop protocol (no aiohttp, no WebSocket) the same two ways.
+against when they come paced, one per engine step, and an echo the same two ways.
 
 The hop bench's derender spends ~2x per item what the same items cost it back to back (stop 32:
 50-60 against 22-30 us). Its work is the same either way; what differs is that, paced, the
@@ -8,10 +7,9 @@ process sleeps between batches while others run, and each batch starts on cold c
 this VM, a halted virtual CPU). This bench measures that directly, on the real derender's batch
 socket (`shared/frames.py`), with batches the way the proxy builds them: one call per stream,
 each chained on the state the previous answer gave (a stream's first call carries its prompt).
-The echo (aiohttp on uvloop, answering each frame with its own bytes) shows the same two ways
-what the event loop and the socket alone cost per wake-up, whatever derender does; the raw echo
-(the same frames behind a 4-byte length, on an `asyncio.Protocol` on uvloop) shows how much of
-that is aiohttp's WebSocket, which the batched transport's carrier could do without.
+The echo (aiohttp on uvloop, its batch socket answering each frame with its own bytes) shows
+the same two ways what the event loop, aiohttp's server and the carrier alone cost per
+wake-up, whatever derender does.
 
 The load generator runs in this process and is not measured; each server's CPU is read from
 the kernel's per-thread run time (`cpu.run_time`, in nanoseconds).
@@ -26,14 +24,12 @@ import argparse
 import asyncio
 import contextlib
 import random
-import struct
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -42,8 +38,13 @@ from tokenline.launch.bench import cpu
 from tokenline.launch.bench.client import on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
+from tokenline.proxy.h1 import request_bytes, target
 from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,
+    LENGTH,
+    MAX_CALL_FRAME,
+    UPGRADE,
+    FrameReader,
     answer_frame,
     call_frame,
     read_answer,
@@ -57,7 +58,6 @@ from tokenline.shared.wire import BATCH_ANSWER
 ENCODE = msgspec.json.Encoder().encode
 WARMUP = 50
 """Batches sent before each measured point (caches filled, every stream past its first call)."""
-ECHO_PATH = "/echo"
 PROMPT = 30
 """Prompt tokens per stream."""
 
@@ -137,42 +137,23 @@ class Batches:
 
 Exchange = Callable[[int, bytes], Awaitable[bytes]]
 """A call frame's body sent under an id, and its answer's body (status 200, else an error)."""
-Carrier = Callable[[str], contextlib.AbstractAsyncContextManager[Exchange]]
 
 
 @contextlib.asynccontextmanager
-async def websocket(url: str) -> AsyncIterator[Exchange]:
-    """Exchanges over the batched transport's carrier: a WebSocket (`shared/frames.py`)."""
-    async with (
-        aiohttp.ClientSession() as session,
-        session.ws_connect(url, max_msg_size=1 << 26) as ws,
-    ):
-
-        async def exchange(call_id: int, body: bytes) -> bytes:
-            await ws.send_bytes(call_frame(call_id, "chat", body))
-            message = await ws.receive()
-            if message.type is not aiohttp.WSMsgType.BINARY:
-                raise RuntimeError(f"the socket answered {message.type!r}: {message.data!r}")
-            return _answered(message.data)
-
-        yield exchange
-
-
-LENGTH = struct.Struct(">I")
-"""The raw echo's framing: each frame behind its length."""
-
-
-@contextlib.asynccontextmanager
-async def raw_socket(url: str) -> AsyncIterator[Exchange]:
-    """Exchanges with the raw echo (`tcp://host:port`): the same frames, each behind its
-    length, on a plain TCP connection."""
-    host, _, port = url.removeprefix("tcp://").rpartition(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+async def frames_socket(url: str) -> AsyncIterator[Exchange]:
+    """Exchanges over the batched transport's carrier: the connection to `url` (a batch
+    socket's) upgraded, then frames each behind its length (`shared/frames.py`)."""
+    to = target(url)
+    _, host, port = to.origin
+    reader, writer = await asyncio.open_connection(host, port)
     try:
+        writer.write(request_bytes("GET", to, b"", {"Connection": "Upgrade", "Upgrade": UPGRADE}))
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 101 "):
+            raise RuntimeError(f"{url} refused the upgrade: {head[:200]!r}")
 
         async def exchange(call_id: int, body: bytes) -> bytes:
-            frame = call_frame(call_id, "chat", body)
-            writer.write(LENGTH.pack(len(frame)) + frame)
+            writer.writelines(call_frame(call_id, "chat", body))
             (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
             return _answered(await reader.readexactly(size))
 
@@ -195,12 +176,11 @@ async def drive(
     rate: float,
     count: int,
     echo: bool = False,
-    carrier: Carrier = websocket,
 ) -> float:
     """CPU microseconds per item that the server at `url` (process `pid`) spends on `count`
     batches, each sent when the previous is answered, and no sooner than `rate` per second
     allows (0: at once). An `echo` answers the batch itself: the chains stay where they are."""
-    async with carrier(url) as exchange:
+    async with frames_socket(url) as exchange:
 
         async def one(call_id: int) -> None:
             body = await exchange(call_id, batches.body())
@@ -220,21 +200,42 @@ async def drive(
 # --------------------------------------------------------------------------- the echo server
 
 
-def echo_app() -> web.Application:
-    """A WebSocket that answers each call frame with its own body (about as long as derender's
-    answer to it), framed as derender's answers are: the event loop and the socket, without
-    derender's work."""
+class Echo:
+    """An upgraded batch socket that answers each call frame with its own body (about as long
+    as derender's answer to it), framed as derender's answers are, straight from the
+    connection's callback: the event loop, aiohttp's server and the carrier, without
+    derender's work (aiohttp's payload parser seam, as derender's `BatchSocket`)."""
 
-    async def echo(request: web.Request) -> web.WebSocketResponse:
-        socket = web.WebSocketResponse(max_msg_size=1 << 26)
-        await socket.prepare(request)
-        async for message in socket:
-            call_id, _, body = read_call(message.data)
-            await socket.send_bytes(answer_frame(call_id, 200, body))
-        return socket
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.frames = FrameReader(MAX_CALL_FRAME)
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        for frame in self.frames.feed(data):
+            call_id, _, body = read_call(frame)
+            self.transport.writelines(answer_frame(call_id, 200, body))
+        return False, b""
+
+    def feed_eof(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+
+def echo_app() -> web.Application:
+    async def echo(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=101, headers={"Upgrade": UPGRADE, "Connection": "Upgrade"}
+        )
+        await response.prepare(request)
+        assert request.transport is not None
+        held = Echo(request.transport)
+        request.protocol.set_parser(held)  # type: ignore[arg-type]  # the seam takes any parser
+        await held.ended
+        return response
 
     app = web.Application()
-    app.router.add_get(ECHO_PATH, echo)
+    app.router.add_get(BATCH_SOCKET_PATH, echo)
     app.router.add_get("/health", health)
     return app
 
@@ -243,55 +244,6 @@ def echo_server() -> Process:
     port = servers.free_port()
     argv = [sys.executable, "-m", "tokenline.launch.bench.wake", "--echo-port", str(port)]
     return Process("wake-echo", argv, port, output=servers.log_file("wake-echo"))
-
-
-class RawEcho(asyncio.Protocol):
-    """The echo without aiohttp: each call frame (behind its length) answered as the WebSocket
-    echo answers it, straight from the connection's callback."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buffer = b""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self.buffer + data if self.buffer else data
-        while len(buffer) >= LENGTH.size:
-            (size,) = LENGTH.unpack_from(buffer)
-            end = LENGTH.size + size
-            if len(buffer) < end:
-                break
-            call_id, _, body = read_call(buffer[LENGTH.size : end])
-            answer = answer_frame(call_id, 200, body)
-            assert self.transport is not None
-            self.transport.write(LENGTH.pack(len(answer)) + answer)
-            buffer = buffer[end:]
-        self.buffer = buffer
-
-
-def raw_echo_app(raw_port: int) -> web.Application:
-    """`/health` over HTTP (for `Process.wait`), and the raw echo on `raw_port`."""
-
-    async def listen(app: web.Application) -> AsyncIterator[None]:
-        server = await asyncio.get_running_loop().create_server(RawEcho, "127.0.0.1", raw_port)
-        yield
-        server.close()
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.cleanup_ctx.append(listen)
-    return app
-
-
-def raw_echo_server() -> tuple[Process, str]:
-    """The raw echo's process, and its echo's `tcp://` address."""
-    port, raw_port = servers.free_port(), servers.free_port()
-    argv = [sys.executable, "-m", "tokenline.launch.bench.wake", "--echo-port", str(port)]
-    argv += ["--raw-port", str(raw_port)]
-    process = Process("wake-raw-echo", argv, port, output=servers.log_file("wake-raw-echo"))
-    return process, f"tcp://127.0.0.1:{raw_port}"
 
 
 # --------------------------------------------------------------------------- the bench
@@ -306,7 +258,6 @@ class Point:
     process: Process
     echoes: bool = False
     """It answers each batch with the batch itself (the chains then stay where they are)."""
-    carrier: Carrier = websocket
     at_once: list[float] = field(default_factory=list)
     paced: list[float] = field(default_factory=list)
 
@@ -331,9 +282,7 @@ def measure(points: list[Point], args: argparse.Namespace, vocab: int) -> None:
             pid = point.process.proc.pid
             for rate, into in ((0.0, point.at_once), (args.rate, point.paced)):
                 batches = Batches(args.streams, args.tokens, vocab)
-                measured = drive(
-                    point.url, pid, batches, rate, args.batches, point.echoes, point.carrier
-                )
+                measured = drive(point.url, pid, batches, rate, args.batches, point.echoes)
                 into.append(on_uvloop(measured))
 
 
@@ -345,24 +294,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=600, help="batches per point")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--echo-port", type=int, help=argparse.SUPPRESS)  # the echo servers
-    parser.add_argument("--raw-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_port is not None:
-        app = echo_app() if args.raw_port is None else raw_echo_app(args.raw_port)
-        run(app, "127.0.0.1", args.echo_port)
+        run(echo_app(), "127.0.0.1", args.echo_port)
         return
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
     derender = servers.tokenline("wake-derender", "derender", *common)
     echo = echo_server()
-    raw, raw_url = raw_echo_server()
-    started = [derender, echo, raw]
+    started = [derender, echo]
     try:
         servers.start_all(started, 120)
         points = [
             Point("derender", derender.url + BATCH_SOCKET_PATH, derender),
-            Point("echo", echo.url + ECHO_PATH, echo, echoes=True),
-            Point("raw echo", raw_url, raw, echoes=True, carrier=raw_socket),
+            Point("echo", echo.url + BATCH_SOCKET_PATH, echo, echoes=True),
         ]
         measure(points, args, ModelTokenizer.load(model).vocab_size)
         print(

@@ -7,8 +7,9 @@ batched form of it; the ZMQ channel (`channel.py`) answers the same calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
+import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
-from aiohttp import ClientConnectionResetError, WSMsgType, web
+from aiohttp import web
 from prometheus_client import Counter
 
 from tokenline.services.derender.bounds import DerenderSettings
@@ -38,7 +39,16 @@ from tokenline.shared.errors import (
     ShuttingDown,
     as_service_error,
 )
-from tokenline.shared.frames import BATCH_SOCKET_PATH, MAX_CALL_FRAME, answer_frame, read_call
+from tokenline.shared.frames import (
+    BATCH_SOCKET_PATH,
+    MAX_ANSWER_FRAME,
+    MAX_CALL_FRAME,
+    UPGRADE,
+    FrameError,
+    FrameReader,
+    answer_frame,
+    read_call,
+)
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import CLIENT_GONE, ServiceMetrics
@@ -57,6 +67,7 @@ from tokenline.shared.wire import (
 T = TypeVar("T")
 R = TypeVar("R")
 INLINE_TOKENS = 32  # a stream chunk this small decodes faster inline than via a thread hop
+log = logging.getLogger(__name__)
 KIND_DERENDER = {name: functools.partial(derender, kind) for name, kind in KINDS.items()}
 """`derender` bound to each kind once, not per call."""
 
@@ -229,64 +240,127 @@ def _handlers(kind: Kind) -> tuple[Handler, Handler]:
     return single, batch
 
 
-@dataclass(eq=False)
 class BatchSocket:
-    """One open batch socket and the batches it is answering."""
+    """One batch socket, the batched transport's carrier (`shared/frames.py`): a connection
+    upgraded from an HTTP request, whose call frames are answered as they come, each in a task
+    of its own, by the same functions as the batch routes (and counted in the metrics as calls
+    to them). aiohttp's request handler feeds it the connection's bytes, as it feeds its own
+    WebSocket reader (`set_parser`), and waits for it to end.
 
-    socket: web.WebSocketResponse
-    answering: set[asyncio.Task[None]]
-    closing: bool = False
-    """The service is stopping: a new frame is answered 503 at once (the proxy goes
-    elsewhere) instead of being started and cut."""
+    A frame that is no call, or one over `MAX_CALL_FRAME`, ends the connection; so does a
+    proxy that leaves `MAX_UNREAD` bytes of answers unread (what it waits for would time out
+    there anyway)."""
+
+    def __init__(self, app: web.Application, transport: asyncio.Transport) -> None:
+        self.app = app
+        self.transport = transport
+        self.frames = FrameReader(MAX_CALL_FRAME)
+        self.answering: set[asyncio.Task[None]] = set()
+        self.closing = False
+        """The service is stopping: a new frame is answered 503 at once (the proxy goes
+        elsewhere) instead of being started and cut."""
+        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        """aiohttp's payload parser seam: a read of the connection (never an end for aiohttp
+        to act on: the connection ends by closing)."""
+        try:
+            for frame in self.frames.feed(data):
+                self._take(*read_call(frame))
+        except FrameError as exc:
+            log.warning("closing a batch socket: %s", exc)
+            self.close()
+        return False, b""
+
+    def feed_eof(self) -> None:
+        """The connection is gone (aiohttp's seam, called once it is lost)."""
+        if not self.ended.done():
+            self.ended.set_result(None)
+
+    def _take(self, call_id: int, name: str, body: bytes) -> None:
+        if self.closing:
+            status = self.send(call_id, ShuttingDown("derender is shutting down"))
+            self.app[METRICS].record(_frame_route(_kind(name)), status, 0.0)
+            return
+        task = asyncio.create_task(_answer_frame(self, call_id, name, body))
+        self.answering.add(task)
+        task.add_done_callback(self.answering.discard)
+
+    def send(self, call_id: int, outcome: bytes | ServiceError) -> int:
+        """`outcome` (the batch's answers, or its error) sent as call `call_id`'s answer; its
+        status. A connection already closing drops it: the proxy fails that batch over."""
+        if isinstance(outcome, ServiceError):
+            status, body = outcome.status, JSON.encode(outcome.to_wire())
+        else:
+            status, body = 200, outcome
+        transport = self.transport
+        if not transport.is_closing():
+            transport.writelines(answer_frame(call_id, status, body))
+            if transport.get_write_buffer_size() > MAX_UNREAD:
+                log.warning("closing a batch socket: its peer left its answers unread")
+                self.close()
+        return status
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 SOCKETS = web.AppKey("derender_batch_sockets", set[BatchSocket])
 SHUTDOWN_GRACE = 5.0
 """Seconds a socket's batches in flight get to be answered when the service stops."""
-HEARTBEAT = 30.0
-"""Seconds between pings on a batch socket: a proxy gone without a word (its host down) is
-noticed, and its socket closed, within about this."""
+MAX_UNREAD = 4 * MAX_ANSWER_FRAME
+"""Bytes of answers a batch socket holds for a peer that does not read them."""
+KEEPALIVE = (30, 10, 3)
+"""TCP keepalive on a batch socket (idle seconds, seconds between probes, probes): a proxy
+gone without a word (its host down) is noticed, and its socket closed, within a minute."""
 
 
-async def batch_socket(request: web.Request) -> web.WebSocketResponse:
-    """tokenline extension, the batched transport's carrier: the batch routes' calls as binary
-    messages on one WebSocket (`shared/frames.py`), each answered when its items are, by the
-    same functions as the routes (and counted in the metrics as calls to them). A frame that is
-    no call closes the socket (1002, 1003); one over `MAX_CALL_FRAME`, 1009."""
-    socket = web.WebSocketResponse(max_msg_size=MAX_CALL_FRAME, heartbeat=HEARTBEAT)
-    await socket.prepare(request)
+async def batch_socket(request: web.Request) -> web.StreamResponse:
+    """tokenline extension, the batched transport's carrier: the request's connection upgraded
+    to `tokenline-frames` (`shared/frames.py`) and answered as a `BatchSocket` until it ends."""
+    upgrade = request.headers.get("Upgrade", "").strip().lower()
+    connection = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
+    if upgrade != UPGRADE or "upgrade" not in connection:
+        raise BadRequest(
+            f"the batch socket takes 'Connection: Upgrade' and 'Upgrade: {UPGRADE}'",
+            param="Upgrade",
+        )
+    transport = request.transport
+    if transport is None:  # the client is gone already
+        raise ConnectionResetError("the batch socket's connection was lost")
+    response = web.StreamResponse(status=101, headers={"Upgrade": UPGRADE, "Connection": "Upgrade"})
+    await response.prepare(request)
+    _keep_probing(transport)
     app = request.app
-    held = BatchSocket(socket, set())
+    held = BatchSocket(app, transport)
+    request.protocol.set_parser(held)  # type: ignore[arg-type]  # the seam takes any parser
+    request.protocol.keep_alive(False)
     app[SOCKETS].add(held)
     try:
-        async for message in socket:
-            if message.type is not WSMsgType.BINARY:
-                await socket.close(code=1003, message=b"binary frames only")
-                break
-            try:
-                call_id, name, body = read_call(message.data)
-            except ValueError as exc:
-                await socket.close(code=1002, message=str(exc)[:100].encode())
-                break
-            if held.closing:
-                status = await _send(socket, call_id, ShuttingDown("derender is shutting down"))
-                app[METRICS].record(_frame_route(_kind(name)), status, 0.0)
-                continue
-            task = asyncio.create_task(_answer_frame(app, socket, call_id, name, body))
-            held.answering.add(task)
-            task.add_done_callback(held.answering.discard)
+        await held.ended
     finally:
         app[SOCKETS].discard(held)
         for task in held.answering:
             task.cancel()
-    return socket
+    return response
+
+
+def _keep_probing(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle, interval, probes = KEEPALIVE
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes)
 
 
 async def close_batch_sockets(app: web.Application) -> None:
     """On shutdown (the listener already closed): each socket's batches in flight answered
-    (for up to `SHUTDOWN_GRACE`; new ones get a 503), then every socket closed as going away,
-    so the proxy sends the next batches to another replica; an open socket would otherwise
-    hold the shutdown up (aiohttp waits for its handler)."""
+    (for up to `SHUTDOWN_GRACE`; new ones get a 503), then every socket closed, so the proxy
+    sends the next batches to another replica; an open socket would otherwise hold the
+    shutdown up (aiohttp waits for its handler)."""
     sockets: set[BatchSocket] = app[SOCKETS]
     held = list(sockets)
     for h in held:
@@ -294,17 +368,16 @@ async def close_batch_sockets(app: web.Application) -> None:
     answering = [t for h in held for t in h.answering]
     if answering:
         await asyncio.wait(answering, timeout=SHUTDOWN_GRACE)
-    closing = (h.socket.close(code=1001, message=b"derender shutting down") for h in held)
-    await asyncio.gather(*closing, return_exceptions=True)
+    for h in held:
+        h.close()
 
 
-async def _answer_frame(
-    app: web.Application, socket: web.WebSocketResponse, call_id: int, name: str, body: bytes
-) -> None:
+async def _answer_frame(held: BatchSocket, call_id: int, name: str, body: bytes) -> None:
     """One frame answered, and recorded as a call to its kind's batch route (`unmatched` for
     no kind; cut short by its socket closing: `CLIENT_GONE`, as the middleware has it)."""
     start, status = time.perf_counter(), CLIENT_GONE
     kind = _kind(name)
+    app = held.app
     try:
         try:
             if kind is None:
@@ -313,7 +386,7 @@ async def _answer_frame(
             outcome: bytes | ServiceError = JSON.encode(answers)
         except Exception as exc:
             outcome = as_service_error(exc)
-        status = await _send(socket, call_id, outcome)
+        status = held.send(call_id, outcome)
     finally:
         app[METRICS].record(_frame_route(kind), status, time.perf_counter() - start)
 
@@ -326,19 +399,6 @@ def _kind(name: str) -> Kind | None:
 def _frame_route(kind: Kind | None) -> str:
     """The route a frame counts under in the metrics."""
     return kind.batch_path if kind is not None else "unmatched"
-
-
-async def _send(socket: web.WebSocketResponse, call_id: int, outcome: bytes | ServiceError) -> int:
-    """`outcome` (the batch's answers, or its error) sent as call `call_id`'s answer; its
-    status. A socket closing under it drops it: the proxy fails that batch over."""
-    if isinstance(outcome, ServiceError):
-        status, body = outcome.status, JSON.encode(outcome.to_wire())
-    else:
-        status, body = 200, outcome
-    with contextlib.suppress(ConnectionError, ClientConnectionResetError):
-        if not socket.closed:
-            await socket.send_bytes(answer_frame(call_id, status, body))
-    return status
 
 
 async def detokenize_route(request: web.Request) -> web.Response:

@@ -5,9 +5,7 @@ batch socket's failures (closed mid-batch, hung, absent)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,9 +14,10 @@ import msgspec
 import pytest
 import uvloop
 import zmq
-from aiohttp import WSMsgType, web
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.fakes.frames import upgrade_response, upgraded
 from tokenline.proxy import transport as transport_module
 from tokenline.proxy.channel import Connection, ZmqDerender
 from tokenline.proxy.flow import StreamCall
@@ -43,7 +42,6 @@ from tokenline.shared.wire import (
 )
 from tokenline.shared.zmq import CALL, MSGPACK, Call, Reply
 
-WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455
 RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
 LIMITS = Limits(connect=5, read=30)
 METRICS = ProxyMetrics()
@@ -106,33 +104,31 @@ class FakeDerender:
         self.app.router.add_get(BATCH_SOCKET_PATH, self.socket)
         self.app.router.add_post(CHAT.derender_path, self.single)
 
-    async def socket(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=0)
-        await ws.prepare(request)
+    async def socket(self, request: web.Request) -> web.StreamResponse:
+        response = upgrade_response()
         self.sockets += 1
-        async for message in ws:
-            assert message.type is WSMsgType.BINARY
-            call_id, kind, body = read_call(message.data)
+        async for frame, transport in upgraded(request, response):
+            call_id, kind, body = read_call(frame)
             assert kind == "chat"
             self.received.set()
             if self.drop:
                 self.drop = False
-                await ws.close()
+                transport.close()
                 break
             if self.hang:
                 continue
             if self.fail or self.fail_once:
                 self.fail_once = False
-                await ws.send_bytes(answer_frame(call_id, 500, b"down"))
+                transport.writelines(answer_frame(call_id, 500, b"down"))
                 continue
             items = json.loads(body)["requests"]
             self.batches.append(len(items))
             if self.garble is not None:
-                await ws.send_bytes(answer_frame(call_id, 200, self.garble))
+                transport.writelines(answer_frame(call_id, 200, self.garble))
                 continue
             answers = json.dumps([answer_for(i) for i in items]).encode()
-            await ws.send_bytes(answer_frame(call_id, 200, answers))
-        return ws
+            transport.writelines(answer_frame(call_id, 200, answers))
+        return response
 
     async def single(self, request: web.Request) -> web.Response:
         if self.hang:
@@ -324,16 +320,10 @@ async def test_a_replica_gone_silent_costs_its_read_timeout(size: int) -> None:
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
-        head = (await reader.readuntil(b"\r\n\r\n")).decode()
-        key = next(
-            line.split(":", 1)[1].strip()
-            for line in head.split("\r\n")
-            if line.lower().startswith("sec-websocket-key:")
-        )
-        accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
+        await reader.readuntil(b"\r\n\r\n")
         writer.write(
-            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-            b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept.encode() + b"\r\n\r\n"
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: tokenline-frames\r\n"
+            b"Connection: Upgrade\r\n\r\n"
         )
         await reader.read()  # until the proxy closes its end, never answering
 

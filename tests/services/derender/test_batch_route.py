@@ -9,16 +9,22 @@ import asyncio
 import json
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp import WSMsgType, web
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from tests.fakes.frames import FramesClient
 from tokenline.services.derender.app import SOCKETS, BatchSocket, close_batch_sockets, make_app
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import derender
-from tokenline.shared.frames import BATCH_SOCKET_PATH, call_frame, read_answer
+from tokenline.shared.frames import (
+    BATCH_SOCKET_PATH,
+    LENGTH,
+    MAX_CALL_FRAME,
+    call_frame,
+    read_answer,
+)
 from tokenline.shared.kinds import CHAT, COMPLETION, Kind
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import DERENDER_CHAT, JSON
@@ -71,18 +77,26 @@ async def test_batch_answers_each_item_and_counts_once(
     assert _counter(metrics, "tokens_total") == 4
 
 
+async def _frames(client: TestClient) -> FramesClient:
+    opened = await FramesClient.open(client.server.host, client.server.port)  # type: ignore[arg-type]
+    assert opened.status == 101
+    return opened
+
+
 async def test_batch_socket_answers_each_call_by_id(
     client: TestClient, tiny_tok: ModelTokenizer
 ) -> None:
     ids = tiny_tok.encode(" hello world", add_special_tokens=False)
-    ws = await client.ws_connect(BATCH_SOCKET_PATH)
+    frames = await _frames(client)
     batch = json.dumps({"requests": [_item(ids[:1]), _item([tiny_tok.vocab_size])]}).encode()
-    await ws.send_bytes(call_frame(7, "chat", batch))
-    await ws.send_bytes(call_frame(8, "poem", batch))
-    await ws.send_bytes(call_frame(9, "chat", b'{"requests": 5}'))
+    frames.send(call_frame(7, "chat", batch))
+    frames.send(call_frame(8, "poem", batch))
+    frames.send(call_frame(9, "chat", b'{"requests": 5}'))
     got = {}
     for _ in range(3):
-        call_id, status, body = read_answer(await ws.receive_bytes(timeout=10))
+        frame = await frames.receive()
+        assert frame is not None
+        call_id, status, body = read_answer(frame)
         got[call_id] = (status, json.loads(body))
     answers = got[7][1]
     assert got[7][0] == 200
@@ -90,45 +104,82 @@ async def test_batch_socket_answers_each_call_by_id(
     assert "outside the vocabulary" in answers[1]["error"]["message"]  # that item's alone
     assert got[8][0] == 400 and "no derender batch kind 'poem'" in got[8][1]["error"]["message"]
     assert got[9][0] == 400 and got[9][1]["error"]["code"] == 400  # no batch at all
-    await ws.close()
+    await frames.close()
     metrics = await (await client.get("/metrics")).text()  # each frame as a call to its route
     assert f'route="{CHAT.batch_path}",status="200"}} 1.0' in metrics
     assert f'route="{CHAT.batch_path}",status="400"}} 1.0' in metrics
     assert 'route="unmatched",status="400"} 1.0' in metrics  # no such kind
 
 
+async def test_batch_socket_answers_frames_however_the_reads_cut_them(
+    client: TestClient, tiny_tok: ModelTokenizer
+) -> None:
+    ids = tiny_tok.encode(" hello", add_special_tokens=False)
+    frames = await _frames(client)
+    batch = json.dumps({"requests": [_item(ids)]}).encode()
+    stream = b"".join([*call_frame(1, "chat", batch), *call_frame(2, "chat", batch)])
+    for at in range(0, len(stream), 7):  # two frames, in pieces of 7 bytes
+        frames.writer.write(stream[at : at + 7])
+        await frames.writer.drain()
+        await asyncio.sleep(0)
+    answered = []
+    for _ in range(2):
+        frame = await frames.receive()
+        assert frame is not None
+        answered.append(read_answer(frame)[:2])
+    assert sorted(answered) == [(1, 200), (2, 200)]
+    await frames.close()
+
+
 @pytest.mark.parametrize(
-    ("frame", "code"), [("text", 1003), (b"no head line", 1002), (b"x chat\n{}", 1002)]
+    "frame",
+    [
+        [LENGTH.pack(12), b"no head line"],
+        [LENGTH.pack(9), b"x chat\n{}"],
+        [LENGTH.pack(MAX_CALL_FRAME + 1)],  # over the limit: refused before it is read
+    ],
 )
 async def test_batch_socket_closes_on_a_frame_that_is_no_call(
-    client: TestClient, frame: str | bytes, code: int
+    client: TestClient, frame: list[bytes]
 ) -> None:
-    ws = await client.ws_connect(BATCH_SOCKET_PATH)
-    await (ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
-    message = await ws.receive(timeout=10)
-    assert message.type is WSMsgType.CLOSE and message.data == code
+    frames = await _frames(client)
+    frames.send(frame)
+    assert await frames.receive() is None  # the connection ended, with no answer
+    await frames.close()
     assert (await client.get("/health")).status == 200  # the service goes on
+
+
+@pytest.mark.parametrize("upgrade", ["websocket", ""])
+async def test_batch_socket_refuses_another_upgrade(client: TestClient, upgrade: str) -> None:
+    """A client asking for anything but `tokenline-frames` (an older proxy's WebSocket) hears
+    why, on a 400 naming the header."""
+    frames = await FramesClient.open(client.server.host, client.server.port, upgrade)  # type: ignore[arg-type]
+    assert frames.status == 400
+    await frames.close()
+    resp = await client.get(BATCH_SOCKET_PATH)
+    body = await resp.json()
+    assert resp.status == 400 and body["error"]["param"] == "Upgrade"
+    assert "tokenline-frames" in body["error"]["message"]
 
 
 async def test_stopping_closes_the_batch_sockets(tiny_tok: ModelTokenizer) -> None:
     """An open socket would hold the service's shutdown up (aiohttp waits for its handler):
-    stopping closes each socket as going away (1001), and the proxy goes elsewhere."""
+    stopping closes each socket, and the proxy goes elsewhere."""
     config = DerenderConfig(
         model=str(tiny_tok.path), served_model_names=("tiny",), max_model_len=2048
     )
     server = TestServer(make_app(config))
     await server.start_server()
-    session = aiohttp.ClientSession()
+    frames = await FramesClient.open(server.host, server.port)  # type: ignore[arg-type]
     try:
-        ws = await session.ws_connect(server.make_url(BATCH_SOCKET_PATH))
         ids = tiny_tok.encode(" hello", add_special_tokens=False)
-        await ws.send_bytes(call_frame(1, "chat", json.dumps({"requests": [_item(ids)]}).encode()))
-        assert read_answer(await ws.receive_bytes(timeout=5))[:2] == (1, 200)
+        frames.send(call_frame(1, "chat", json.dumps({"requests": [_item(ids)]}).encode()))
+        answer = await frames.receive(within=5)
+        assert answer is not None and read_answer(answer)[:2] == (1, 200)
         await asyncio.wait_for(server.close(), 10)
-        closing = await ws.receive(timeout=5)
-        assert closing.type is WSMsgType.CLOSE and closing.data == 1001
+        assert await frames.receive(within=5) is None
     finally:
-        await session.close()
+        await frames.close()
 
 
 async def test_a_frame_arriving_while_stopping_is_answered_503(
@@ -136,32 +187,37 @@ async def test_a_frame_arriving_while_stopping_is_answered_503(
 ) -> None:
     """Between the grace for batches in flight and the close, a new frame is turned away at
     once (the proxy takes 503 as the replica's and goes elsewhere), not started and cut."""
-    ws = await client.ws_connect(BATCH_SOCKET_PATH)
-    await ws.send_bytes(call_frame(1, "chat", json.dumps({"requests": [_item([5])]}).encode()))
-    assert read_answer(await ws.receive_bytes(timeout=10))[:2] == (1, 200)
+    frames = await _frames(client)
+    frames.send(call_frame(1, "chat", json.dumps({"requests": [_item([5])]}).encode()))
+    answer = await frames.receive()
+    assert answer is not None and read_answer(answer)[:2] == (1, 200)
     for held in client.server.app[SOCKETS]:
         held.closing = True
-    await ws.send_bytes(call_frame(2, "chat", json.dumps({"requests": [_item([5])]}).encode()))
-    call_id, status, body = read_answer(await ws.receive_bytes(timeout=10))
+    frames.send(call_frame(2, "chat", json.dumps({"requests": [_item([5])]}).encode()))
+    answer = await frames.receive()
+    assert answer is not None
+    call_id, status, body = read_answer(answer)
     assert (call_id, status) == (2, 503) and "shutting down" in json.loads(body)["error"]["message"]
-    await ws.close()
+    await frames.close()
 
 
 async def test_stopping_lets_the_batches_in_flight_be_answered_first() -> None:
     order: list[str] = []
 
-    class Socket:
-        async def close(self, code: int, message: bytes) -> None:
-            order.append(f"closed {code}")
+    class Transport:
+        def close(self) -> None:
+            order.append("closed")
 
     async def answer() -> None:
         await asyncio.sleep(0.05)
         order.append("answered")
 
     app = web.Application()
-    app[SOCKETS] = {BatchSocket(Socket(), {asyncio.create_task(answer())})}  # type: ignore[arg-type]
+    held = BatchSocket(app, Transport())  # type: ignore[arg-type]
+    held.answering.add(asyncio.create_task(answer()))
+    app[SOCKETS] = {held}
     await close_batch_sockets(app)
-    assert order == ["answered", "closed 1001"]
+    assert order == ["answered", "closed"]
 
 
 def _stream_text(tok: ModelTokenizer, ids: list[int], state: dict[str, Any]) -> tuple[str, Any]:
