@@ -47,7 +47,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     derender_transport: Literal["http", "zmq", "batched"] = "http"
     """How stream chunks reach derender: http (vLLM's routes, one call per chunk), zmq (the
     address derender advertises at /v1/zmq) or batched (the chunks of every stream in one call
-    per derender replica, `derender_batch_wait`, over one WebSocket per replica; tokenline's
+    per derender replica, `derender_batch_wait`, over one batch socket per replica; tokenline's
     derender only)."""
     derender_batch_wait: Seconds = 0.006
     """batched: longest a call waits for the chunks other streams get in the same engine step

@@ -3,7 +3,7 @@
 * `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
 * `ZmqDerender` (proxy/channel.py): msgpack calls over one DEALER socket per replica.
 * `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one call per
-  derender replica (tokenline's batch calls, over one WebSocket per replica: `proxy/sockets.py`;
+  derender replica (tokenline's batch calls, over one batch socket per replica: `proxy/sockets.py`;
   an item's error is that item's).
 
 Whole (non-streaming) answers always go over HTTP. Every transport retries through

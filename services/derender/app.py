@@ -245,7 +245,7 @@ class BatchSocket:
     upgraded from an HTTP request, whose call frames are answered as they come, each in a task
     of its own, by the same functions as the batch routes (and counted in the metrics as calls
     to them). aiohttp's request handler feeds it the connection's bytes, as it feeds its own
-    WebSocket reader (`set_parser`), and waits for it to end.
+    WebSocket reader (`set_parser`), and `batch_socket` waits for it to end.
 
     A frame that is no call, or one over `MAX_CALL_FRAME`, ends the connection; so does a
     proxy that leaves `MAX_UNREAD` bytes of answers unread (what it waits for would time out
