@@ -104,9 +104,7 @@ async def on_replicas(
     """
     deadline = time.monotonic() + policy.timeout
     tried = list(exclude)
-    last: ServiceError = UpstreamUnavailable(
-        f"no healthy {pool.role} replica (of {len(pool.workers)})"
-    )
+    last: ServiceError | None = None  # (built when needed: a call that succeeds never is)
     for attempt in range(policy.attempts):
         candidates = [w for w in pool.healthy() if w not in tried]
         if not candidates:
@@ -124,4 +122,6 @@ async def on_replicas(
             break
         if policy.sleep:
             await asyncio.sleep(policy.backoff(attempt))
+    if last is None:
+        raise UpstreamUnavailable(f"no healthy {pool.role} replica (of {len(pool.workers)})")
     raise last

@@ -47,9 +47,10 @@ class _Socket(asyncio.Protocol):
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.head = b""
-        self.upgraded: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.upgraded: asyncio.Future[None] = self.loop.create_future()
         self.frames = FrameReader(MAX_ANSWER_FRAME)
         self.waiting: dict[int, Answered] = {}
         self.failure: ServiceError | None = None
@@ -136,6 +137,11 @@ class _Socket(asyncio.Protocol):
             self.transport.close()
 
 
+def _expire(future: Answered) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 @dataclass
 class BatchSockets:
     """Every derender replica's batch socket; the owner (the batched transport) closes them."""
@@ -153,12 +159,15 @@ class BatchSockets:
         error answer raises (`rejected_or_failed`), a failed socket raises its failure."""
         sock = await self._socket(worker)
         call_id = next(self.ids)
-        future: Answered = asyncio.get_running_loop().create_future()
+        future: Answered = sock.loop.create_future()
         sock.waiting[call_id] = future
+        # a timer on the answer's future, not `asyncio.timeout`: the wait is that one future,
+        # and a Timeout's task lookups cost more per batch
+        read = self.limits.read
+        timer = sock.loop.call_later(read, _expire, future) if read is not None else None
         try:
-            async with asyncio.timeout(self.limits.read):
-                sock.send(call_id, kind, body)
-                status, data = await future
+            sock.send(call_id, kind, body)
+            status, data = await future
         except TimeoutError as exc:
             failure = UpstreamTimeout(f"derender {worker.url} timed out on a batch")
             self.drop(sock, failure)  # hung: what else waits on it would time out too
@@ -167,6 +176,8 @@ class BatchSockets:
             self.drop(sock)  # the socket failed: it is done for
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             sock.waiting.pop(call_id, None)
             if not future.done():
                 future.cancel()
