@@ -357,8 +357,9 @@ class BatchSocket:
 SOCKETS = web.AppKey("derender_batch_sockets", set[BatchSocket])
 SHUTDOWN_GRACE = 5.0
 """Seconds a socket's batches in flight get to be answered when the service stops."""
-MAX_UNREAD = 4 * MAX_ANSWER_FRAME
-"""Bytes of answers a batch socket holds for a peer that does not read them."""
+MAX_UNREAD = 2 * MAX_ANSWER_FRAME
+"""Bytes of answers a batch socket holds for a peer that does not read them (two of the
+largest answers: a proxy that reads is never near it)."""
 KEEPALIVE = (30, 10, 3)
 """TCP keepalive on a batch socket (idle seconds, seconds between probes, probes): a proxy
 gone without a word (its host down) is noticed, and its socket closed, within a minute."""

@@ -14,7 +14,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.fakes.frames import FramesClient
-from tokenline.services.derender.app import SOCKETS, BatchSocket, close_batch_sockets, make_app
+from tokenline.services.derender.app import (
+    MAX_UNREAD,
+    SOCKETS,
+    BatchSocket,
+    close_batch_sockets,
+    make_app,
+)
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import derender
@@ -218,6 +224,35 @@ async def test_stopping_lets_the_batches_in_flight_be_answered_first() -> None:
     app[SOCKETS] = {held}
     await close_batch_sockets(app)
     assert order == ["answered", "closed"]
+
+
+async def test_a_peer_that_leaves_its_answers_unread_is_cut() -> None:
+    """Answers pile up in the transport while the proxy does not read them: past `MAX_UNREAD`
+    the socket closes (the proxy's batches time out and go elsewhere) instead of holding more."""
+
+    class Transport:
+        def __init__(self) -> None:
+            self.buffered, self.closed = 0, False
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def writelines(self, pieces: list[bytes]) -> None:
+            self.buffered += sum(map(len, pieces))
+
+        def get_write_buffer_size(self) -> int:
+            return self.buffered
+
+        def close(self) -> None:
+            self.closed = True
+
+    transport = Transport()
+    held = BatchSocket(web.Application(), transport)  # type: ignore[arg-type]
+    assert held.send(1, b"[]") == 200 and not transport.closed
+    transport.buffered = MAX_UNREAD
+    assert held.send(2, b"[]") == 200 and transport.closed
+    cut_at = transport.buffered
+    assert held.send(3, b"[]") == 200 and transport.buffered == cut_at  # dropped, not written
 
 
 def _stream_text(tok: ModelTokenizer, ids: list[int], state: dict[str, Any]) -> tuple[str, Any]:
