@@ -351,6 +351,54 @@ async def test_a_replica_gone_silent_costs_its_read_timeout(size: int) -> None:
             await s.close()
 
 
+@pytest.mark.parametrize(
+    ("upgrade_answer", "frame", "error"),
+    [
+        # a WebSocket server's 101: another protocol, so no batch socket
+        (b"101 Switching Protocols\r\nUpgrade: websocket", b"", "has no batch socket"),
+        (b"101 Switching Protocols\r\nUpgrade: tokenline-frames", b"\0\0\0\x04nope", "unreadable"),
+        (b"101 Switching Protocols\r\nUpgrade: tokenline-frames", b"\xff\xff\xff\xff", "over"),
+    ],
+)
+async def test_a_replica_that_speaks_no_frames_is_its_own_fault(
+    client: Client, upgrade_answer: bytes, frame: bytes, error: str
+) -> None:
+    """A replica that upgrades to another protocol, or sends a frame without a readable head
+    or over the limit: the batch fails as the replica's fault (never the client's 400) and
+    goes to another replica; the bad socket is dropped."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def wrong(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 " + upgrade_answer + b"\r\nConnection: Upgrade\r\n\r\n")
+        await reader.read(1)  # the first call's frame
+        writer.write(frame)
+        await reader.read()
+
+    bad = await asyncio.start_server(wrong, "127.0.0.1", 0)
+    fine = FakeDerender()
+    pool, servers = await serve([fine])
+    port = bad.sockets[0].getsockname()[1]
+    bad_url = f"http://127.0.0.1:{port}"
+    pool = Pool("derender", (bad_url, pool.workers[0].url))
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    try:
+        with pytest.raises(UpstreamError, match=error):
+            await transport.sockets.exchange(pool.workers[0], "chat", _batch_body(3))
+        assert bad_url not in transport.sockets.sockets
+        got = await asyncio.wait_for(transport.stream(call(3)), 10)
+        assert _content(got) == "3" and fine.batches == [1]
+    finally:
+        await asyncio.wait_for(transport.close(), 5)
+        for writer in held:
+            writer.close()
+        bad.close()
+        await bad.wait_closed()
+        for s in servers:
+            await s.close()
+
+
 async def test_an_error_answer_is_that_batchs_alone(client: Client) -> None:
     """A batch answered with an error (no envelope: the replica's fault) fails alone: the
     socket stays, and one fault does not take the replica out."""
