@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import Gauge
 
@@ -43,6 +43,8 @@ class ProxyMetrics(ServiceMetrics):
         self.hop_latency = self.histogram(
             "hop_seconds", "Latency of each hop call", labels=("hop",)
         )
+        self.hops: dict[str, Any] = {}
+        """`hop_latency`'s series by hop, as `_hop` found them."""
         self.in_flight = Gauge(
             f"{self.prefix}_in_flight_requests",
             "Requests in flight per pool",
@@ -76,7 +78,14 @@ class ProxyMetrics(ServiceMetrics):
         try:
             return await call
         finally:
-            self.hop_latency.labels(hop).observe(time.perf_counter() - start)
+            self._hop(hop).observe(time.perf_counter() - start)
+
+    def _hop(self, hop: str) -> Any:
+        """`hop_latency`'s series for `hop` (looked up once: `labels` costs ~1.5 us a call)."""
+        found = self.hops.get(hop)
+        if found is None:
+            found = self.hops[hop] = self.hop_latency.labels(hop)
+        return found
 
     def track_pool(self, role: str, in_flight: Callable[[], int]) -> None:
         self.in_flight.labels(role).set_function(in_flight)

@@ -96,11 +96,15 @@ async def on_replicas(
     policy: RetryPolicy,
     call: Callable[[Worker], Awaitable[T]],
     exclude: Sequence[Worker] = (),
+    watched: bool = False,
 ) -> T:
     """`call` on a healthy replica of `pool`; on a retryable failure, on another one.
 
     Gives up (raising the last error) after `policy.attempts` tries, once `policy.timeout` has
-    passed, or when no healthy replica is left that has not been tried.
+    passed, or when no healthy replica is left that has not been tried. A call is given up as
+    soon as its replica leaves the rotation (`unless_abandoned`), unless it is `watched`: it
+    fails so on its own (the batch sockets do, and the watch cost a batch more than its lookup
+    of a replica).
     """
     deadline = time.monotonic() + policy.timeout
     tried = list(exclude)
@@ -113,6 +117,8 @@ async def on_replicas(
         tried.append(worker)
         try:
             with reported(pool, worker):
+                if watched:
+                    return await call(worker)
                 return await unless_abandoned(pool.role, worker, call)
         except UpstreamRejected:
             raise  # the request's own failure: not retried, the replica stays

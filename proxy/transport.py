@@ -306,7 +306,9 @@ class BatchedDerender(HttpDerender):
                 raise UpstreamError(f"derender answered {len(answers)} items to a batch of {items}")
             return answers
 
-        return await self.metrics.timed("derender", on_replicas(self.pool, self.policy, once))
+        # each batch socket fails what waits on it when its replica leaves the rotation
+        watched = on_replicas(self.pool, self.policy, once, watched=True)
+        return await self.metrics.timed("derender", watched)
 
     async def close(self) -> None:
         if self.flush is not None:

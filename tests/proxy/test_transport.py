@@ -434,6 +434,22 @@ async def test_a_replica_leaving_the_rotation_loses_its_socket(client: Client) -
         assert _content(await transport.stream(call(2))) == "2" and fake.sockets == 2
 
 
+async def test_a_batch_in_flight_on_a_replica_leaving_the_rotation_goes_elsewhere_at_once(
+    client: Client,
+) -> None:
+    """The batched transport's calls are not watched by `unless_abandoned`: the batch socket
+    fails what waits on it when its replica leaves the rotation, so the batch goes to another
+    replica then, long before its read timeout (30 s here)."""
+    hung, fine = FakeDerender(hang=True), FakeDerender()
+    async with batched(client, [hung, fine]) as (transport, pool):
+        waiting = asyncio.ensure_future(transport.stream(call(5)))
+        await asyncio.wait_for(hung.received.wait(), 5)  # least in flight: the first replica
+        pool.workers[0].abandon()  # its health checks failed
+        got = await asyncio.wait_for(waiting, 5)
+        assert _content(got) == "5" and fine.batches == [1]
+        assert pool.workers[0].url not in transport.sockets.sockets
+
+
 async def test_calls_too_big_for_one_frame_are_split_and_one_too_big_alone_refused(
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
