@@ -125,16 +125,11 @@ class ResponseParser:
 
     def _parse_head(self, buf: bytes) -> bytes:
         while True:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD:
-                    raise Broken(f"an answer's head over {MAX_HEAD} bytes")
+            found = take_head(buf)
+            if found is None:
                 self._buf = buf
                 return b""
-            if end > MAX_HEAD:
-                raise Broken(f"an answer's head over {MAX_HEAD} bytes")
-            head = parse_head(buf[:end])
-            buf = buf[end + 4 :]
+            head, buf = found
             if head.status == 101:
                 raise Broken("the server switched protocols")
             if 100 <= head.status < 200:
@@ -234,6 +229,19 @@ class Head:
         if not value:
             return []
         return [t.strip().lower() for t in value.split(",") if t.strip()]
+
+
+def take_head(buf: bytes) -> tuple[Head, bytes] | None:
+    """The answer head `buf` starts with, and what follows it (None: the head is not all in
+    yet); one over `MAX_HEAD` bytes is `Broken`."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > MAX_HEAD:
+            raise Broken(f"an answer's head over {MAX_HEAD} bytes")
+        return None
+    if end > MAX_HEAD:
+        raise Broken(f"an answer's head over {MAX_HEAD} bytes")
+    return parse_head(buf[:end]), buf[end + 4 :]
 
 
 def parse_head(raw: bytes) -> Head:

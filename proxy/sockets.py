@@ -17,7 +17,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenline.proxy.h1 import Broken, Limits, Unsendable, parse_head, request_bytes, target
+from tokenline.proxy.h1 import Broken, Limits, Unsendable, request_bytes, take_head, target
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.upstream import rejected_or_failed
 from tokenline.shared.errors import (
@@ -37,8 +37,6 @@ from tokenline.shared.frames import (
 )
 
 Answered = asyncio.Future[tuple[int, bytes]]
-MAX_HEAD = 16 * 1024
-"""The longest answer head to the upgrade the proxy reads."""
 
 
 class _Socket(asyncio.Protocol):
@@ -85,23 +83,21 @@ class _Socket(asyncio.Protocol):
     def _upgrade(self, data: bytes) -> bytes:
         """The upgrade's answer read (what follows it is frames), or more of it awaited."""
         head = self.head + data
-        end = head.find(b"\r\n\r\n")
-        if end < 0:
-            if len(head) > MAX_HEAD:
-                raise UpstreamError(f"derender {self.url} answered the upgrade with no end")
+        try:
+            found = take_head(head)
+        except Broken as exc:
+            raise UpstreamError(f"derender {self.url} answered the upgrade: {exc}") from None
+        if found is None:
             self.head = head
             return b""
         self.head = b""
-        try:
-            answer = parse_head(head[:end])
-        except Broken as exc:
-            raise UpstreamError(f"derender {self.url} answered the upgrade: {exc}") from None
+        answer, rest = found
         if answer.status != 101 or answer.tokens("upgrade") != [UPGRADE]:
             raise UpstreamUnavailable(
                 f"derender {self.url} has no batch socket ({answer.status}): is it tokenline's?"
             )
         self.upgraded.set_result(None)
-        return head[end + 4 :]
+        return rest
 
     def connection_lost(self, exc: Exception | None) -> None:
         why = f": {exc!r}" if exc is not None else ""
