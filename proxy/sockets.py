@@ -228,12 +228,14 @@ class BatchSockets:
                 assert sock.transport is not None
                 sock.transport.write(request_bytes("GET", to, b"", upgrade))
                 await sock.upgraded
-        except (OSError, TimeoutError, ServiceError) as exc:
+        except (OSError, TimeoutError) as exc:
             if sock is not None:
                 sock.close()
-            if isinstance(exc, ServiceError):
-                raise
             raise UpstreamUnavailable(f"derender {worker.url} unreachable: {exc!r}") from exc
+        except BaseException:  # refused (a ServiceError), or the caller cancelled: not kept
+            if sock is not None:
+                sock.close()
+            raise
         self.sockets[worker.url] = sock
 
         def abandoned() -> None:

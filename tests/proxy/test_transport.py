@@ -399,6 +399,37 @@ async def test_a_replica_that_speaks_no_frames_is_its_own_fault(
             await s.close()
 
 
+async def test_a_socket_cancelled_while_it_opens_is_closed(client: Client) -> None:
+    """A batch cancelled while its replica has not answered the upgrade yet (the transport
+    closing, say) closes the connection it opened: it is nobody's to close later."""
+    ended = asyncio.Event()
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the upgrade, never answered
+        await reader.read()  # until the proxy closes its end
+        ended.set()
+        writer.close()
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool("derender", (f"http://127.0.0.1:{port}",))
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
+    try:
+        opening = asyncio.ensure_future(
+            transport.sockets.exchange(pool.workers[0], "chat", _batch_body(1))
+        )
+        await asyncio.sleep(0.2)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await asyncio.wait_for(ended.wait(), 5)  # the proxy's end closed
+        assert transport.sockets.sockets == {}
+    finally:
+        await transport.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_an_error_answer_is_that_batchs_alone(client: Client) -> None:
     """A batch answered with an error (no envelope: the replica's fault) fails alone: the
     socket stays, and one fault does not take the replica out."""
