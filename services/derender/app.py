@@ -168,10 +168,8 @@ def _batch_items(kind: Kind, body: bytes) -> list[Any]:
     """A batch body's calls: decoded in one pass when every item decodes (the common case;
     item by item, each item's bytes are parsed twice), else raw, for each item to fail alone
     (such a body is then parsed again)."""
-    try:
-        return kind.derender_batch_json.decode(body).requests  # type: ignore[no-any-return]
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return DERENDER_BATCH.decode(body).requests
+    items = _items_now(kind, body)
+    return items if items is not None else DERENDER_BATCH.decode(body).requests
 
 
 def _items_now(kind: Kind, body: bytes) -> list[Any] | None:
@@ -273,10 +271,11 @@ def _handlers(kind: Kind) -> tuple[Handler, Handler]:
 
 class BatchSocket:
     """One batch socket, the batched transport's carrier (`shared/frames.py`): a connection
-    upgraded from an HTTP request, whose call frames are answered as they come, each in a task
-    of its own, by the same functions as the batch routes (and counted in the metrics as calls
-    to them). aiohttp's request handler feeds it the connection's bytes, as it feeds its own
-    WebSocket reader (`set_parser`), and `batch_socket` waits for it to end.
+    upgraded from an HTTP request, whose call frames are answered as they come (a batch of
+    small stream chunks in the connection's callback, any other in a task of its own), by the
+    same functions as the batch routes (and counted in the metrics as calls to them).
+    aiohttp's request handler feeds it the connection's bytes, as it feeds its own WebSocket
+    reader (`set_parser`), and `batch_socket` waits for it to end.
 
     A frame that is no call, or one over `MAX_CALL_FRAME`, ends the connection; so does a
     proxy that leaves `MAX_UNREAD` bytes of answers unread (what it waits for would time out
