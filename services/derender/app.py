@@ -312,27 +312,28 @@ class BatchSocket:
             status = self.send(call_id, ShuttingDown("derender is shutting down"))
             self.app[METRICS].record(_frame_route(_kind(name)), status, 0.0)
             return
-        kind = _kind(name)
-        if kind is not None and self._answered_now(call_id, kind, body):
-            return
-        task = asyncio.create_task(_answer_frame(self, call_id, name, body))
+        start, kind, items = time.perf_counter(), _kind(name), None
+        if kind is not None:
+            items = _items_now(kind, body)  # decoded once: the task takes them as they are
+            answered = self._answered_now(call_id, kind, items) if items is not None else None
+            if answered is not None:
+                self.app[METRICS].record(kind.batch_path, answered, time.perf_counter() - start)
+                return
+        task = asyncio.create_task(_answer_frame(self, call_id, name, body, items))
         self.answering.add(task)
         task.add_done_callback(self.answering.discard)
 
-    def _answered_now(self, call_id: int, kind: Kind, body: bytes) -> bool:
-        """The usual batch (every item a small stream chunk) answered here, without a task:
-        a task per frame cost more than a chunk's derender. False: the frame's task answers."""
-        start = time.perf_counter()
-        items = _items_now(kind, body)
+    def _answered_now(self, call_id: int, kind: Kind, items: list[Any]) -> int | None:
+        """The usual batch (every item a small stream chunk) answered here, without a task (a
+        task per frame cost more than a chunk's derender): its status. None: the frame's task
+        answers."""
         try:
-            answers = _answers_now(self.app[STATE], kind, items) if items is not None else None
+            answers = _answers_now(self.app[STATE], kind, items)
         except Exception:  # a call no route would take: the task's per-item errors tell
             answers = None
         if answers is None:
-            return False
-        status = self.send(call_id, JSON.encode(answers))
-        self.app[METRICS].record(kind.batch_path, status, time.perf_counter() - start)
-        return True
+            return None
+        return self.send(call_id, JSON.encode(answers))
 
     def send(self, call_id: int, outcome: bytes | ServiceError) -> int:
         """`outcome` (the batch's answers, or its error) sent as call `call_id`'s answer; its
@@ -421,9 +422,12 @@ async def close_batch_sockets(app: web.Application) -> None:
         h.close()
 
 
-async def _answer_frame(held: BatchSocket, call_id: int, name: str, body: bytes) -> None:
+async def _answer_frame(
+    held: BatchSocket, call_id: int, name: str, body: bytes, items: list[Any] | None
+) -> None:
     """One frame answered, and recorded as a call to its kind's batch route (`unmatched` for
-    no kind; cut short by its socket closing: `CLIENT_GONE`, as the middleware has it)."""
+    no kind; cut short by its socket closing: `CLIENT_GONE`, as the middleware has it);
+    `items`: its calls as `BatchSocket._take` decoded them (None: not every item decoded)."""
     start, status = time.perf_counter(), CLIENT_GONE
     kind = _kind(name)
     app = held.app
@@ -431,7 +435,9 @@ async def _answer_frame(held: BatchSocket, call_id: int, name: str, body: bytes)
         try:
             if kind is None:
                 raise BadRequest(f"no derender batch kind {name!r}")
-            answers = await _batch_answers(app[STATE], kind, _batch_items(kind, body))
+            # raw items when the whole body did not decode: each item then fails alone
+            calls = items if items is not None else DERENDER_BATCH.decode(body).requests
+            answers = await _batch_answers(app[STATE], kind, calls)
             outcome: bytes | ServiceError = JSON.encode(answers)
         except Exception as exc:
             outcome = as_service_error(exc)
