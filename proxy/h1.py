@@ -677,7 +677,7 @@ class Client:
             raise Unreachable("the proxy's HTTP client is closed")
         scheme, host, port = origin
         loop = asyncio.get_running_loop()
-        tls = self._tls_context() if scheme == "https" else None
+        tls = self.tls_context() if scheme == "https" else None
         try:
             async with asyncio.timeout(within):
                 _, conn = await loop.create_connection(
@@ -694,7 +694,8 @@ class Client:
         self.open.add(conn)
         return conn
 
-    def _tls_context(self) -> ssl.SSLContext:
+    def tls_context(self) -> ssl.SSLContext:
+        """The TLS settings for https origins (the batch sockets' too), built once."""
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenline.proxy.h1 import Broken, Limits, Unsendable, request_bytes, take_head, target
+from tokenline.proxy.h1 import Broken, Client, Limits, Unsendable, request_bytes, take_head, target
 from tokenline.proxy.pool import Worker
 from tokenline.proxy.upstream import rejected_or_failed
 from tokenline.shared.errors import (
@@ -145,10 +144,11 @@ class BatchSockets:
     limits: Limits
     """Connect: the longest a socket takes to open (its upgrade answered); read: the longest a
     batch's frame takes to go out and its answer to come back."""
+    client: Client
+    """The proxy's HTTP client, whose TLS settings an https replica's socket takes."""
     sockets: dict[str, _Socket] = field(default_factory=dict)
     opening: dict[str, asyncio.Lock] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
-    tls: ssl.SSLContext | None = None
 
     async def exchange(self, worker: Worker, kind: str, body: bytes) -> bytes:
         """The batch route's answer to `body` (at most `MAX_BATCH_BODY` bytes) from `worker`; an
@@ -213,7 +213,7 @@ class BatchSockets:
         except Unsendable as exc:
             raise UpstreamUnavailable(f"derender {worker.url} unreachable: {exc}") from exc
         scheme, host, port = to.origin
-        tls = self._tls() if scheme == "https" else None
+        tls = self.client.tls_context() if scheme == "https" else None
         upgrade = {"Connection": "Upgrade", "Upgrade": UPGRADE}
         sock: _Socket | None = None
         try:
@@ -244,11 +244,6 @@ class BatchSockets:
         sock.abandoned = abandoned
         worker.watching.add(abandoned)
         return sock
-
-    def _tls(self) -> ssl.SSLContext:
-        if self.tls is None:
-            self.tls = ssl.create_default_context()
-        return self.tls
 
     async def close(self) -> None:
         for sock in list(self.sockets.values()):

@@ -200,7 +200,7 @@ class BatchedDerender(HttpDerender):
     sockets: BatchSockets = field(init=False)
 
     def __post_init__(self) -> None:
-        self.sockets = BatchSockets(self.limits)
+        self.sockets = BatchSockets(self.limits, self.client)
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
         if self.loop is None:
