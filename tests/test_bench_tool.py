@@ -271,6 +271,21 @@ def test_double_run_checks_the_front_end_goals() -> None:
     assert "goal tokenline >=" not in text  # no vLLM peers in a double run
 
 
+def test_vllm_run_checks_proxy_and_derender_cpu_per_token() -> None:
+    """Goal 1 adds proxy and derender (not render) from the per-process split, and is left out
+    when the split lacks either of them."""
+    points = [_point(t, 16, r, f) for t, r, f in RATES]
+    points[2]["cpu_front_parts_us"] = {"bench-proxy": 50.0, "bench-render": 10.0}
+    result = {"mode": "vllm", "load": "c", "duration_s": 1.0, "points": points}
+    assert "goal proxy + derender" not in markdown(result)
+    points[2]["cpu_front_parts_us"]["bench-derender"] = 31.0
+    text = markdown(result)
+    assert "goal proxy + derender <= 80 us CPU per output token: not met (81.0 us)" in text
+    assert "goal tokenline >= the gateway: met (1.25x)" in text  # the other goals stay
+    points[2]["cpu_front_parts_us"]["bench-derender"] = 30.0
+    assert "goal proxy + derender <= 80 us CPU per output token: met (80.0 us)" in markdown(result)
+
+
 def test_report_names_a_skipped_target(tmp_path: Path) -> None:
     result = {
         "mode": "vllm",

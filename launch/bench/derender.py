@@ -3,6 +3,7 @@ through vLLM's streaming derender (`vllm launch render`), chunk by chunk with th
 carried, at several concurrencies.
 
     .venv/bin/python -m tokenline.launch.bench.derender [--duration 10] [--concurrency 1 4 16 64]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -123,13 +124,26 @@ async def replay(
     return Result(name, concurrency, chunks, elapsed, latencies, errors, tokens)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--duration", type=float, default=10)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=128)
-    args = parser.parse_args()
+def point(mine: Result, theirs: Result) -> dict[str, Any]:
+    """One concurrency's figures (what `--json` writes and the goals runner reads): each side's
+    chunks/s, tokens/s, latency and errors, and the chunks/s ratio the report prints."""
+    out: dict[str, Any] = {
+        "concurrency": mine.concurrency,
+        "ratio": mine.rate / theirs.rate if theirs.rate else None,
+    }
+    for label, r in (("tokenline", mine), ("vllm", theirs)):
+        out |= {
+            f"{label}_chunks_per_s": r.rate,
+            f"{label}_tokens_per_s": r.unit_rate,
+            f"{label}_p50_ms": r.pct(0.5),
+            f"{label}_p99_ms": r.pct(0.99),
+            f"{label}_errors": r.errors,
+        }
+    return out
+
+
+def _servers() -> tuple[Process, Process, Process]:
+    """The engine that records the streams, vLLM's derender and tokenline's."""
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     generate = servers.oracle("bench-generate", Path(model), "tiny")
     peer = servers.vllm_render("bench-vllm-derender", Path(model), "tiny")
@@ -145,6 +159,28 @@ def main() -> None:
         "--workers",
         "2",
     )
+    return generate, peer, ours
+
+
+def _at(
+    c: int, ours: Process, peer: Process, streams: list[Stream], duration: float
+) -> dict[str, Any]:
+    """Both sides at concurrency `c`: printed, and returned as a `point`."""
+    mine = on_uvloop(replay("tokenline", ours.url, streams, c, duration))
+    theirs = on_uvloop(replay("vllm", peer.url, streams, c, duration))
+    for r in (mine, theirs):
+        print(
+            f"{r.name:>10} c={c:<3} {r.rate:8.0f} chunks/s {r.unit_rate:8.0f} tokens/s "
+            f"p50 {r.pct(0.5):6.2f} ms p99 {r.pct(0.99):6.2f} ms errors {r.errors}"
+        )
+    print(f"{'ratio':>10} c={c:<3} tokenline/vLLM = {mine.rate / theirs.rate:.2f}x")
+    return point(mine, theirs)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Record the streams, replay them at each concurrency, print the report, and return each
+    concurrency's `point`."""
+    generate, peer, ours = _servers()
     started = [generate, peer, ours]
     try:
         servers.start_all(started, 300)
@@ -155,18 +191,30 @@ def main() -> None:
             f"{sum(len(s[1]) for s in streams)} chunks, logprobs top 2; "
             f"{args.duration:.0f} s per point"
         )
-        for c in args.concurrency:
-            mine = on_uvloop(replay("tokenline", ours.url, streams, c, args.duration))
-            theirs = on_uvloop(replay("vllm", peer.url, streams, c, args.duration))
-            for r in (mine, theirs):
-                print(
-                    f"{r.name:>10} c={c:<3} {r.rate:8.0f} chunks/s {r.unit_rate:8.0f} tokens/s "
-                    f"p50 {r.pct(0.5):6.2f} ms p99 {r.pct(0.99):6.2f} ms errors {r.errors}"
-                )
-            print(f"{'ratio':>10} c={c:<3} tokenline/vLLM = {mine.rate / theirs.rate:.2f}x")
+        return [_at(c, ours, peer, streams, args.duration) for c in args.concurrency]
     finally:
         for s in started:
             s.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=10)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--json", default=None, help="also write every point's figures here")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args()
+    points = run(args)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        setup = {"duration_s": args.duration, "streams": args.streams, "tokens": args.tokens}
+        path.write_text(json.dumps(setup | {"points": points}, indent=2))
 
 
 if __name__ == "__main__":

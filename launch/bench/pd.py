@@ -2,6 +2,8 @@
 
     flock /tmp/tokenline-bench.lock python -m tokenline.launch.bench.pd
 
+Writes the report to `--out`/pd.md and each setup's figures to pd.json.
+
 Setups measured one after the other in one run, each behind its own tokenline proxy (render
 and derender are shared):
   one-pool  one engine (role both) on cores 0-1, decode-only: it computes the prompt itself
@@ -28,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -264,6 +268,13 @@ def text(runs: dict[str, Run], streams: int) -> str:
     return "\n".join(lines)
 
 
+def figures(runs: dict[str, Run], streams: int) -> dict[str, Any]:
+    """Each setup's summary by key (`one`, `pd`, `pd-decode-first`): what pd.json holds, for
+    readers (the goals runner) that should not parse the Markdown."""
+    setups = {key: {"name": run.name} | run.point.summary() for key, run in runs.items()}
+    return {"streams": streams, "setups": setups}
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
@@ -314,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pd.md").write_text(report + "\n")
+    (out / "pd.json").write_text(json.dumps(figures(runs, args.streams), indent=2))
     print(report)
     return 0
 

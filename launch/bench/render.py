@@ -13,6 +13,7 @@ prompts exceed the tests' 2048).
 
     .venv/bin/python -m tokenline.launch.bench.render [--duration 10] [--concurrency 16]
         [--models tiny tiny-qwen3] [--executors thread] [--long-every 4] [--rounds 5]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 from tokenline.launch import servers
 from tokenline.launch.bench.client import Connection, on_uvloop
@@ -141,7 +143,39 @@ def _servers(model: Path, served: str, executors: list[str], workers: int) -> di
     return found | {"vllm": peer}
 
 
-def run_model(served: str, args: argparse.Namespace) -> None:
+def figures(
+    results: dict[tuple[str, int], tuple[Result, float]], executors: list[str], levels: list[int]
+) -> list[dict[str, Any]]:
+    """Each executor's points against vLLM's, as figures (what `--json` writes and the goals
+    runner reads): requests/s, latency, errors, server CPU per request, and the ratio."""
+    out = []
+    for kind in executors:
+        for c in levels:
+            (mine, mine_cpu), (theirs, theirs_cpu) = results[(kind, c)], results[("vllm", c)]
+            out.append(
+                {
+                    "executor": kind,
+                    "concurrency": c,
+                    "ratio": mine.rate / theirs.rate if theirs.rate else None,
+                    **_side("tokenline", mine, mine_cpu),
+                    **_side("vllm", theirs, theirs_cpu),
+                }
+            )
+    return out
+
+
+def _side(label: str, r: Result, cpu_s: float) -> dict[str, Any]:
+    return {
+        f"{label}_requests_per_s": r.rate,
+        f"{label}_p50_ms": r.pct(0.5),
+        f"{label}_p99_ms": r.pct(0.99),
+        f"{label}_errors": r.errors,
+        f"{label}_cpu_us_per_request": cpu_s * 1e6 / r.count if r.count else None,
+    }
+
+
+def run_model(served: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Measure one model, print its report, and return its `figures`."""
     model = build(served, servers.build_dir() / "models" / served)
     started = _servers(Path(model), served, args.executors, args.workers)
     try:
@@ -169,10 +203,19 @@ def run_model(served: str, args: argparse.Namespace) -> None:
                 f"{'server CPU':>10} c={c:<3} {mine:.0f} vs {theirs:.0f} us/request "
                 f"(vLLM/tokenline = {theirs / mine:.2f}x)"
             )
+    return [{"model": served} | f for f in figures(results, args.executors, args.concurrency)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args()
+    points = [p for served in args.models for p in run_model(served, args)]
+    if args.json:
+        write_json(Path(args.json), args, points)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=10)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16])
     parser.add_argument("--models", nargs="+", default=["tiny"], choices=["tiny", "tiny-qwen3"])
@@ -180,9 +223,14 @@ def main() -> None:
     parser.add_argument("--long-every", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2, help="tokenline's render workers")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved slices per point")
-    args = parser.parse_args()
-    for served in args.models:
-        run_model(served, args)
+    parser.add_argument("--json", default=None, help="also write every point's figures here")
+
+
+def write_json(path: Path, args: argparse.Namespace, points: list[dict[str, Any]]) -> None:
+    """The run's setup and points, for readers that should not parse the printed report."""
+    run = {"duration_s": args.duration, "long_every": args.long_every, "rounds": args.rounds}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run | {"points": points}, indent=2))
 
 
 if __name__ == "__main__":

@@ -71,6 +71,29 @@ def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
 
 DOUBLE_ITL_MS = 0.3  # issue #13: added ITL p50 against the generate double, at most
 DOUBLE_TOKENS_S = 20_000  # and output tokens/s through one proxy process, at least
+HOP_US = 80  # issue #13: proxy + derender CPU per output token end to end, at most
+# The processes goal 1 counts (the issue names proxy and derender; render's cost is per
+# request, not per token), as lineup.py names them.
+HOP_PROCESSES = ("bench-proxy", "bench-derender")
+
+
+def hop_us(point: dict[str, Any]) -> float | None:
+    """Proxy + derender CPU us per output token, from the front end's per-process split; None
+    when either process was not measured (a target without them, or no tokens)."""
+    parts = point.get("cpu_front_parts_us") or {}
+    if not all(name in parts for name in HOP_PROCESSES):
+        return None
+    return float(sum(parts[name] for name in HOP_PROCESSES))
+
+
+def _hop_goal(ours: dict[str, Any]) -> list[str]:
+    us = hop_us(ours)
+    if us is None:
+        return []
+    return [
+        f"goal proxy + derender <= {HOP_US} us CPU per output token: "
+        f"{'met' if us <= HOP_US else 'not met'} ({us:.1f} us)"
+    ]
 
 
 def _double_goals(ours: dict[str, Any], double: dict[str, Any]) -> list[str]:
@@ -85,7 +108,7 @@ def _double_goals(ours: dict[str, Any], double: dict[str, Any]) -> list[str]:
 
 
 def goals(by: dict[tuple[str, int], dict[str, Any]], level: int, mode: str = "vllm") -> list[str]:
-    """Issue #13's end-to-end goals at this level, checked (items 3 and 4)."""
+    """Issue #13's end-to-end goals at this level, checked (items 1, 3 and 4)."""
     ours = by.get(("tokenline", level))
     if ours is None:
         return []
@@ -106,7 +129,7 @@ def goals(by: dict[tuple[str, int], dict[str, Any]], level: int, mode: str = "vl
             f"goal tokenline >= the gateway: {'met' if met else 'not met'} "
             f"({ratio(ours, peer):.2f}x)"
         )
-    return out
+    return out + _hop_goal(ours)
 
 
 HEADER = (
