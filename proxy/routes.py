@@ -48,6 +48,11 @@ def sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+CHUNKED_EVENT = b"%x\r\ndata: %b\n\n\r\n"
+"""One SSE event as one HTTP chunk, from the event's size and its payload."""
+EVENT_FRAMING = len(b"data: \n\n")
+
+
 def events(chunks: list[Any]) -> bytes:
     """Chunks as consecutive SSE events (a chunk that is JSON already as it is)."""
     if len(chunks) == 1:  # a stream's usual write: one chunk, one copy
@@ -151,8 +156,12 @@ class EventStream:
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():
             return False
-        data = events(chunks)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if self.chunked and len(chunks) == 1:  # a pumped token's: event and framing, one copy
+            payload = _json(chunks[0])
+            transport.write(CHUNKED_EVENT % (len(payload) + EVENT_FRAMING, payload))
+        else:
+            data = events(chunks)
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return not protocol.writing_paused
 
     async def serve(self, run: Awaitable[None]) -> web.StreamResponse:
@@ -162,10 +171,10 @@ class EventStream:
             if self.response is None:
                 raise
             # after the first byte, any failure ends the stream in-band
-            await self.response.write(sse(JSON.encode(as_service_error(exc).to_wire())))
+            await self.response.write_eof(sse(JSON.encode(as_service_error(exc).to_wire())) + DONE)
+            return self.response
         response = self.response or await self._start()
-        await response.write(DONE)
-        await response.write_eof()
+        await response.write_eof(DONE)  # `[DONE]` and the body's end in one write
         return response
 
     async def _start(self) -> web.StreamResponse:
