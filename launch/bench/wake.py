@@ -39,12 +39,12 @@ from tokenline.launch.bench.client import on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 from tokenline.proxy.h1 import request_bytes, target
+from tokenline.shared.frame_server import FrameFeed, upgrade
 from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,
     LENGTH,
     MAX_CALL_FRAME,
     UPGRADE,
-    FrameReader,
     answer_frame,
     call_frame,
     read_answer,
@@ -200,37 +200,23 @@ async def drive(
 # --------------------------------------------------------------------------- the echo server
 
 
-class Echo:
+class Echo(FrameFeed):
     """An upgraded batch socket that answers each call frame with its own body (about as long
     as derender's answer to it), framed as derender's answers are, straight from the
     connection's callback: the event loop, aiohttp's server and the carrier, without
-    derender's work (aiohttp's payload parser seam, as derender's `BatchSocket`)."""
+    derender's work (served as derender's `BatchSocket` is: `shared/frame_server.py`)."""
 
     def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self.frames = FrameReader(MAX_CALL_FRAME)
-        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        super().__init__(transport, MAX_CALL_FRAME)
 
-    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
-        for frame in self.frames.feed(data):
-            call_id, _, body = read_call(frame)
-            self.transport.writelines(answer_frame(call_id, 200, body))
-        return False, b""
-
-    def feed_eof(self) -> None:
-        if not self.ended.done():
-            self.ended.set_result(None)
+    def take(self, frame: bytes) -> None:
+        call_id, _, body = read_call(frame)
+        self.transport.writelines(answer_frame(call_id, 200, body))
 
 
 def echo_app() -> web.Application:
     async def echo(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(
-            status=101, headers={"Upgrade": UPGRADE, "Connection": "Upgrade"}
-        )
-        await response.prepare(request)
-        assert request.transport is not None
-        held = Echo(request.transport)
-        request.protocol.set_parser(held)  # type: ignore[arg-type]  # the seam takes any parser
+        response, held = await upgrade(request, Echo)
         await held.ended
         return response
 

@@ -39,13 +39,12 @@ from tokenline.shared.errors import (
     ShuttingDown,
     as_service_error,
 )
+from tokenline.shared.frame_server import FrameFeed, upgrade
 from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,
     MAX_ANSWER_FRAME,
     MAX_CALL_FRAME,
     UPGRADE,
-    FrameError,
-    FrameReader,
     answer_frame,
     read_call,
 )
@@ -269,43 +268,27 @@ def _handlers(kind: Kind) -> tuple[Handler, Handler]:
     return single, batch
 
 
-class BatchSocket:
+class BatchSocket(FrameFeed):
     """One batch socket, the batched transport's carrier (`shared/frames.py`): a connection
-    upgraded from an HTTP request, whose call frames are answered as they come (a batch of
-    small stream chunks in the connection's callback, any other in a task of its own), by the
-    same functions as the batch routes (and counted in the metrics as calls to them).
-    aiohttp's request handler feeds it the connection's bytes, as it feeds its own WebSocket
-    reader (`set_parser`), and `batch_socket` waits for it to end.
+    upgraded from an HTTP request (`shared/frame_server.py`), whose call frames are answered as
+    they come (a batch of small stream chunks in the connection's callback, any other in a
+    task of its own), by the same functions as the batch routes (and counted in the metrics as
+    calls to them); `batch_socket` waits for it to end.
 
     A frame that is no call, or one over `MAX_CALL_FRAME`, ends the connection; so does a
     proxy that leaves `MAX_UNREAD` bytes of answers unread (what it waits for would time out
     there anyway)."""
 
     def __init__(self, app: web.Application, transport: asyncio.Transport) -> None:
+        super().__init__(transport, MAX_CALL_FRAME)
         self.app = app
-        self.transport = transport
-        self.frames = FrameReader(MAX_CALL_FRAME)
         self.answering: set[asyncio.Task[None]] = set()
         self.closing = False
         """The service is stopping: a new frame is answered 503 at once (the proxy goes
         elsewhere) instead of being started and cut."""
-        self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
-        """aiohttp's payload parser seam: a read of the connection (never an end for aiohttp
-        to act on: the connection ends by closing)."""
-        try:
-            for frame in self.frames.feed(data):
-                self._take(*read_call(frame))
-        except FrameError as exc:
-            log.warning("closing a batch socket: %s", exc)
-            self.close()
-        return False, b""
-
-    def feed_eof(self) -> None:
-        """The connection is gone (aiohttp's seam, called once it is lost)."""
-        if not self.ended.done():
-            self.ended.set_result(None)
+    def take(self, frame: bytes) -> None:
+        self._take(*read_call(frame))
 
     def _take(self, call_id: int, name: str, body: bytes) -> None:
         if self.closing:
@@ -368,23 +351,16 @@ gone without a word (its host down) is noticed, and its socket closed, within a 
 async def batch_socket(request: web.Request) -> web.StreamResponse:
     """tokenline extension, the batched transport's carrier: the request's connection upgraded
     to `tokenline-frames` (`shared/frames.py`) and answered as a `BatchSocket` until it ends."""
-    upgrade = request.headers.get("Upgrade", "").strip().lower()
+    asked = request.headers.get("Upgrade", "").strip().lower()
     connection = {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
-    if upgrade != UPGRADE or "upgrade" not in connection:
+    if asked != UPGRADE or "upgrade" not in connection:
         raise BadRequest(
             f"the batch socket takes 'Connection: Upgrade' and 'Upgrade: {UPGRADE}'",
             param="Upgrade",
         )
-    transport = request.transport
-    if transport is None:  # the client is gone already
-        raise ConnectionResetError("the batch socket's connection was lost")
-    response = web.StreamResponse(status=101, headers={"Upgrade": UPGRADE, "Connection": "Upgrade"})
-    await response.prepare(request)
-    _keep_probing(transport)
     app = request.app
-    held = BatchSocket(app, transport)
-    request.protocol.set_parser(held)  # type: ignore[arg-type]  # the seam takes any parser
-    request.protocol.keep_alive(False)
+    response, held = await upgrade(request, functools.partial(BatchSocket, app))
+    _keep_probing(held.transport)
     app[SOCKETS].add(held)
     try:
         await held.ended

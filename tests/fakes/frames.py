@@ -6,11 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from aiohttp import web
-
-from tokenline.shared.frames import LENGTH, UPGRADE, FrameReader
-
-UPGRADE_HEADERS = {"Upgrade": UPGRADE, "Connection": "Upgrade"}
+from tokenline.shared.frame_server import FrameFeed
+from tokenline.shared.frames import LENGTH, UPGRADE
 
 
 class FramesClient:
@@ -49,35 +46,18 @@ class FramesClient:
         await self.writer.wait_closed()
 
 
-class _Frames:
-    """aiohttp's payload parser seam, into a queue (None: the connection ended)."""
+class Frames(FrameFeed):
+    """A fake derender's end of an upgraded connection (`shared.frame_server.upgrade`): its
+    call frames (without their lengths) as they come, until it ends; answer on `transport`."""
 
-    def __init__(self) -> None:
-        self.reader = FrameReader(1 << 30)
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__(transport, 1 << 30)
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.ended.add_done_callback(lambda _: self.queue.put_nowait(None))
 
-    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
-        for frame in self.reader.feed(data):
-            self.queue.put_nowait(frame)
-        return False, b""
+    def take(self, frame: bytes) -> None:
+        self.queue.put_nowait(frame)
 
-    def feed_eof(self) -> None:
-        self.queue.put_nowait(None)
-
-
-async def upgraded(
-    request: web.Request, response: web.StreamResponse
-) -> AsyncIterator[tuple[bytes, asyncio.Transport]]:
-    """A fake derender's end: `request`'s connection upgraded (`response` a 101), then each
-    call frame (without its length) and the transport to answer on, until it ends."""
-    await response.prepare(request)
-    transport = request.transport
-    assert transport is not None
-    frames = _Frames()
-    request.protocol.set_parser(frames)  # type: ignore[arg-type]
-    while (frame := await frames.queue.get()) is not None:
-        yield frame, transport  # type: ignore[misc]
-
-
-def upgrade_response() -> web.StreamResponse:
-    return web.StreamResponse(status=101, headers=UPGRADE_HEADERS)
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (frame := await self.queue.get()) is not None:
+            yield frame

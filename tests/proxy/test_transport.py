@@ -17,7 +17,7 @@ import zmq
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.fakes.frames import upgrade_response, upgraded
+from tests.fakes.frames import Frames
 from tokenline.proxy import transport as transport_module
 from tokenline.proxy.channel import Connection, ZmqDerender
 from tokenline.proxy.flow import StreamCall
@@ -33,6 +33,7 @@ from tokenline.shared.errors import (
     UpstreamRejected,
     UpstreamUnavailable,
 )
+from tokenline.shared.frame_server import upgrade
 from tokenline.shared.frames import BATCH_SOCKET_PATH, answer_frame, read_call
 from tokenline.shared.kinds import CHAT, Kind
 from tokenline.shared.wire import (
@@ -105,9 +106,10 @@ class FakeDerender:
         self.app.router.add_post(CHAT.derender_path, self.single)
 
     async def socket(self, request: web.Request) -> web.StreamResponse:
-        response = upgrade_response()
         self.sockets += 1
-        async for frame, transport in upgraded(request, response):
+        response, frames = await upgrade(request, Frames)
+        transport = frames.transport
+        async for frame in frames:
             call_id, kind, body = read_call(frame)
             assert kind == "chat"
             self.received.set()
