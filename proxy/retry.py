@@ -45,22 +45,30 @@ class RetryPolicy:
         return float(min(self.cap, self.base * 2**attempt) * (0.5 + self.rng.random()))
 
 
-@contextlib.contextmanager
-def reported(pool: Pool, worker: Worker) -> Iterator[None]:
+def report(pool: Pool, worker: Worker, failure: ServiceError | None) -> None:
     """Tell `pool` how a call on `worker` went: a replica fault counts against its breaker
     (unreachable: at once), success closes a half-open one, a request's own failure is neither."""
+    if failure is None:
+        pool.succeeded(worker)
+        return
+    failure.replica = worker
+    if not isinstance(failure, UpstreamRejected):
+        # nothing listening, or a replica that went silent: out at once (half-open probes
+        # bring it back); other faults count towards the breaker's threshold
+        certain = isinstance(failure, (UpstreamUnavailable, UpstreamTimeout))
+        pool.failed(worker, failure.message, certain=certain)
+
+
+@contextlib.contextmanager
+def reported(pool: Pool, worker: Worker) -> Iterator[None]:
+    """`report`, for the call in the block."""
     try:
         yield
     except ServiceError as exc:
-        exc.replica = worker
-        if not isinstance(exc, UpstreamRejected):
-            # nothing listening, or a replica that went silent: out at once (half-open
-            # probes bring it back); other faults count towards the breaker's threshold
-            certain = isinstance(exc, (UpstreamUnavailable, UpstreamTimeout))
-            pool.failed(worker, exc.message, certain=certain)
+        report(pool, worker, exc)
         raise
     else:
-        pool.succeeded(worker)
+        report(pool, worker, None)
 
 
 def _gone(exc: ServiceError) -> bool:
@@ -91,12 +99,25 @@ async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], A
         raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-call") from None
 
 
+@dataclass(frozen=True)
+class FirstTry:
+    """A call's first try, made outside `on_replicas` (the batched transport's, from a
+    callback) and failed by the replica's fault, already reported to the pool."""
+
+    worker: Worker
+    failure: ServiceError
+    started: float
+    """`time.monotonic()` when it began: the retry deadline counts from it."""
+
+
 async def on_replicas(
     pool: Pool,
     policy: RetryPolicy,
     call: Callable[[Worker], Awaitable[T]],
     exclude: Sequence[Worker] = (),
     watched: bool = False,
+    first: FirstTry | None = None,
+    chosen: Worker | None = None,
 ) -> T:
     """`call` on a healthy replica of `pool`; on a retryable failure, on another one.
 
@@ -104,16 +125,27 @@ async def on_replicas(
     passed, or when no healthy replica is left that has not been tried. A call is given up as
     soon as its replica leaves the rotation (`unless_abandoned`), unless it is `watched`: it
     fails so on its own (the batch sockets do, and the watch cost a batch more than its lookup
-    of a replica).
+    of a replica). `first`: the first try was made elsewhere and failed (reported already);
+    these are the tries after it, as if it had been made here. `chosen`: the first try's
+    replica, chosen by the caller (`pool.choose`).
     """
-    deadline = time.monotonic() + policy.timeout
+    start = time.monotonic() if first is None else first.started
+    deadline = start + policy.timeout
     tried = list(exclude)
     last: ServiceError | None = None  # (built when needed: a call that succeeds never is)
-    for attempt in range(policy.attempts):
+    attempts = range(policy.attempts)
+    if first is not None:
+        tried.append(first.worker)
+        last, attempts = first.failure, attempts[1:]
+        if not attempts or (time.monotonic() >= deadline and not _gone(last)):
+            raise last
+        if policy.sleep:
+            await asyncio.sleep(policy.backoff(0))
+    for attempt in attempts:
         candidates = [w for w in pool.healthy() if w not in tried]
         if not candidates:
             break
-        worker = pool.choose(exclude=tried)
+        worker, chosen = (chosen, None) if chosen is not None else (pool.choose(tried), None)
         tried.append(worker)
         try:
             with reported(pool, worker):

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenline.proxy.h1 import Broken, Client, Limits, Unsendable, request_bytes, take_head, target
 from tokenline.proxy.pool import Worker
@@ -38,7 +39,19 @@ from tokenline.shared.frames import (
 Answered = asyncio.Future[tuple[int, bytes]]
 
 
-class _Socket(asyncio.Protocol):
+class Waiter(Protocol):
+    """What waits for a batch's answer on a socket: a future (`BatchSockets.exchange`), or
+    anything with a future's three methods that hears it in the socket's callback (the batched
+    transport's quick path). It must not touch the socket's `waiting` from them."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, answer: tuple[int, bytes], /) -> None: ...
+
+    def set_exception(self, failure: BaseException, /) -> None: ...
+
+
+class ReplicaSocket(asyncio.Protocol):
     """One replica's batch socket: the upgrade's answer, then answers to their callers until
     the connection fails; then every caller fails."""
 
@@ -49,7 +62,7 @@ class _Socket(asyncio.Protocol):
         self.head = b""
         self.upgraded: asyncio.Future[None] = self.loop.create_future()
         self.frames = FrameReader(MAX_ANSWER_FRAME)
-        self.waiting: dict[int, Answered] = {}
+        self.waiting: dict[int, Waiter] = {}
         self.failure: ServiceError | None = None
         """Why the socket is done for (set once): each waiting batch fails with a copy of it."""
         self.abandoned: Callable[[], None] | None = None
@@ -146,7 +159,7 @@ class BatchSockets:
     batch's frame takes to go out and its answer to come back."""
     client: Client
     """The proxy's HTTP client, whose TLS settings an https replica's socket takes."""
-    sockets: dict[str, _Socket] = field(default_factory=dict)
+    sockets: dict[str, ReplicaSocket] = field(default_factory=dict)
     opening: dict[str, asyncio.Lock] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -183,7 +196,20 @@ class BatchSockets:
             raise rejected_or_failed("derender", worker, status, data)
         return data
 
-    def drop(self, sock: _Socket, failure: ServiceError | None = None) -> None:
+    def ready(self, worker: Worker) -> ReplicaSocket | None:
+        """`worker`'s socket if it is open now (None: a call must open it, and wait)."""
+        sock = self.sockets.get(worker.url)
+        return sock if sock is not None and sock.failure is None else None
+
+    def call(self, sock: ReplicaSocket, kind: str, body: bytes, waiter: Waiter) -> int:
+        """`body` sent on `sock` (open: `ready`), its answer to `waiter`; its call id. A
+        failed socket raises its failure (then nothing waits)."""
+        call_id = next(self.ids)
+        sock.send(call_id, kind, body)
+        sock.waiting[call_id] = waiter
+        return call_id
+
+    def drop(self, sock: ReplicaSocket, failure: ServiceError | None = None) -> None:
         """`sock` failed (or its replica left the rotation): what waits on it fails with
         `failure`, it closes (the caller retries elsewhere at once), and the next call to its
         replica opens a new one (a newer socket of the replica's is left be)."""
@@ -194,7 +220,7 @@ class BatchSockets:
             sock.abandoned = None
         sock.close(failure)
 
-    async def _socket(self, worker: Worker) -> _Socket:
+    async def _socket(self, worker: Worker) -> ReplicaSocket:
         sock = self.sockets.get(worker.url)
         if sock is not None and sock.failure is None:
             return sock
@@ -207,7 +233,7 @@ class BatchSockets:
                 self.drop(sock)
             return await self._open(worker)
 
-    async def _open(self, worker: Worker) -> _Socket:
+    async def _open(self, worker: Worker) -> ReplicaSocket:
         try:
             to = target(worker.url + BATCH_SOCKET_PATH)
         except Unsendable as exc:
@@ -215,11 +241,11 @@ class BatchSockets:
         scheme, host, port = to.origin
         tls = self.client.tls_context() if scheme == "https" else None
         upgrade = {"Connection": "Upgrade", "Upgrade": UPGRADE}
-        sock: _Socket | None = None
+        sock: ReplicaSocket | None = None
         try:
             async with asyncio.timeout(self.limits.connect):
                 _, sock = await asyncio.get_running_loop().create_connection(
-                    lambda: _Socket(worker),
+                    lambda: ReplicaSocket(worker),
                     host,
                     port,
                     ssl=tls,

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -24,14 +25,15 @@ from tokenline.proxy.flow import StreamAnswer, StreamCall
 from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas
-from tokenline.proxy.sockets import BatchSockets
-from tokenline.proxy.upstream import post_any, readable
+from tokenline.proxy.retry import FirstTry, RetryPolicy, on_replicas, report
+from tokenline.proxy.sockets import BatchSockets, ReplicaSocket
+from tokenline.proxy.upstream import post_any, readable, rejected_or_failed
 from tokenline.shared.errors import (
     PayloadTooLarge,
     ServiceError,
     UpstreamError,
     UpstreamRejected,
+    UpstreamTimeout,
     UpstreamUnavailable,
     as_service_error,
 )
@@ -167,6 +169,73 @@ class _Pending(msgspec.Struct, eq=False):
         self.over = True
 
 
+class _Quick:
+    """A batch body sent from the flush's callback on an open batch socket, its answer heard
+    in the socket's callback (`BatchedDerender._dispatch`): to the socket, it waits as a
+    future would (`sockets.Waiter`). It holds its replica's lease and its read timer until it
+    is over: answered, failed (the retries then go on in a task), or abandoned."""
+
+    __slots__ = ("body", "kind", "owner", "part", "sock", "start", "started", "timer", "worker")
+
+    def __init__(
+        self, owner: BatchedDerender, kind: Kind, part: list[_Pending], body: bytes, worker: Worker
+    ) -> None:
+        self.owner, self.kind, self.part, self.body, self.worker = owner, kind, part, body, worker
+        self.start = time.perf_counter()  # for the hop's latency
+        self.started = time.monotonic()  # for the retries' deadline
+        self.sock: ReplicaSocket | None = None
+        """Set once sent; None again once over."""
+        self.timer: asyncio.TimerHandle | None = None
+
+    def sent(self, sock: ReplicaSocket, read: float | None) -> None:
+        self.sock = sock
+        self.worker.in_flight += 1  # the lease `on_replicas`'s calls take
+        self.owner.quick.add(self)
+        if read is not None:
+            self.timer = sock.loop.call_later(read, self._expire)
+
+    def done(self) -> bool:
+        return self.sock is None
+
+    def set_result(self, answer: tuple[int, bytes], /) -> None:
+        if self._over():
+            self.owner._answered_now(self, *answer)
+
+    def set_exception(self, failure: BaseException, /) -> None:
+        if self._over():
+            self.owner._failed_now(self, as_service_error(failure))
+
+    def abandon(self) -> None:
+        """The transport is closing: its calls hear so, and the socket forgets it."""
+        sock = self.sock
+        if self._over() and sock is not None:
+            for call_id, waiter in list(sock.waiting.items()):
+                if waiter is self:
+                    del sock.waiting[call_id]
+            self.owner._answered(self.part, [closed()] * len(self.part))
+
+    def _expire(self) -> None:
+        """No answer within the read timeout: the socket is hung, and dropped (what else waits
+        on it would time out too), which fails this batch too, as the replica's fault."""
+        self.timer = None
+        sock = self.sock
+        if sock is not None:
+            failure = UpstreamTimeout(f"derender {self.worker.url} timed out on a batch")
+            self.owner.sockets.drop(sock, failure)
+
+    def _over(self) -> bool:
+        """Over now (True), or before (False): the lease and the timer let go once."""
+        if self.sock is None:
+            return False
+        self.sock = None
+        self.worker.in_flight -= 1
+        self.owner.quick.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return True
+
+
 @dataclass
 class BatchedDerender(HttpDerender):
     """Streaming calls gathered across streams into one batch per derender replica.
@@ -198,6 +267,9 @@ class BatchedDerender(HttpDerender):
     """The running loop, looked up once: on Python 3.11 `asyncio.get_running_loop()` makes a
     getpid() system call, which (twice per chunk) took 2-3% of the proxy's time (py-spy)."""
     sockets: BatchSockets = field(init=False)
+    quick: set[_Quick] = field(default_factory=set)
+    """Batches sent from a callback, waiting for their answers (`_dispatch`)."""
+    closing: bool = False
 
     def __post_init__(self) -> None:
         self.sockets = BatchSockets(self.limits, self.client)
@@ -251,48 +323,108 @@ class BatchedDerender(HttpDerender):
             live = [p for p in items if p.live()]  # a caller may have gone
             for batch in _split(live, replicas):
                 self.metrics.batch_items.observe(len(batch))
-                task = asyncio.create_task(self._send(batch))
-                self.flushing.add(task)
-                task.add_done_callback(self.flushing.discard)
+                self._send(batch)
 
-    async def _send(self, batch: list[_Pending]) -> None:
+    def _send(self, batch: list[_Pending]) -> None:
         kind = batch[0].call.kind
         items = [p.call.lean_json() for p in batch]
-        parts = _bodies(batch, items)
+        parts = _bodies(batch, items)  # (a call too large for any heard its 413 here)
         for part, _ in parts:
             self.answering.update(part)
-        try:
-            if len(parts) == 1:  # the usual batch: no task more for it
-                await self._answer(kind, *parts[0])
-            else:
-                await asyncio.gather(*(self._answer(kind, part, body) for part, body in parts))
-        except BaseException:  # cancelled (the transport closing): the unanswered are given up
-            self.answering.difference_update(batch)
-            gone = closed()
-            for p in batch:
-                _settle(p, gone)
-            raise
-        # answered: every call heard its outcome (in `_answer`, or `_bodies`'s 413), and none is
-        # `answering` any more (`_answer` took its calls out before they heard)
+        for part, body in parts:
+            self._dispatch(kind, part, body)
 
-    async def _answer(self, kind: Kind, batch: list[_Pending], body: bytes) -> None:
-        """One request body's calls answered (or failed together, if the whole body fails);
-        they stop counting as `answering` before their callers hear, whose next calls may
-        then complete the next batch."""
+    def _spawn(self, answering: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(answering)
+        self.flushing.add(task)
+        task.add_done_callback(self.flushing.discard)
+
+    def _dispatch(self, kind: Kind, part: list[_Pending], body: bytes) -> None:
+        """`part` sent to the replica chosen for it: at once when its batch socket is open
+        (`_Quick`: the answer heard in the socket's callback, no task or coroutine per
+        batch), else by a task that opens one; a batch that fails goes on in a task, to be
+        retried elsewhere."""
+        worker = None
+        if not self.closing:
+            with contextlib.suppress(ServiceError):  # no replica: the task raises it
+                worker = self.pool.choose()
+        sock = None if worker is None else self.sockets.ready(worker)
+        if worker is None or sock is None:
+            self._spawn(self._answer(kind, part, body, chosen=worker))
+            return
+        quick = _Quick(self, kind, part, body, worker)
+        try:
+            self.sockets.call(sock, kind.name, body, quick)
+        except ServiceError as exc:  # the socket failed just now
+            self.sockets.drop(sock)
+            self._failed_now(quick, exc)
+            return
+        quick.sent(sock, self.limits.read)
+
+    def _answered_now(self, quick: _Quick, status: int, data: bytes) -> None:
+        """A quick batch's answer, in the socket's callback."""
+        self.metrics.hop_seconds("derender", time.perf_counter() - quick.start)
+        try:
+            if status != 200:
+                raise rejected_or_failed("derender", quick.worker, status, data)
+            answers = _read_batch(data, len(quick.part))
+        except ServiceError as exc:
+            self._failed_now(quick, exc)
+            return
+        report(self.pool, quick.worker, None)
+        self._answered(quick.part, [_item(answer) for answer in answers])
+
+    def _failed_now(self, quick: _Quick, failure: ServiceError) -> None:
+        """A quick batch failed as `on_replicas`'s first try would: the request's own fault is
+        every call's answer; a replica's fault is reported, and the retries go on in a task
+        (unless the transport is closing: then its calls hear so)."""
+        report(self.pool, quick.worker, failure)
+        if isinstance(failure, UpstreamRejected) or self.closing:
+            outcome = failure if not self.closing else closed()
+            self._answered(quick.part, [outcome] * len(quick.part))
+            return
+        first = FirstTry(quick.worker, failure, quick.started)
+        self._spawn(self._answer(quick.kind, quick.part, quick.body, first))
+
+    def _answered(
+        self, part: list[_Pending], outcomes: Sequence[StreamAnswer | ServiceError]
+    ) -> None:
+        """Every call of `part` hears its outcome; they stop counting as `answering` before
+        their callers hear, whose next calls may then complete the next batch."""
+        self.answering.difference_update(part)
+        for p, outcome in zip(part, outcomes, strict=True):
+            _settle(p, outcome)
+
+    async def _answer(
+        self,
+        kind: Kind,
+        batch: list[_Pending],
+        body: bytes,
+        first: FirstTry | None = None,
+        chosen: Worker | None = None,
+    ) -> None:
+        """One request body's calls answered (or failed together, if the whole body fails),
+        after a first try that failed, if given; cancelled (the transport closing), they hear
+        so."""
         outcomes: list[StreamAnswer | ServiceError]
         try:
-            answers = await self._exchange(kind, body, len(batch))
+            answers = await self._exchange(kind, body, len(batch), first, chosen)
+        except asyncio.CancelledError:
+            self._answered(batch, [closed()] * len(batch))
+            raise
         except Exception as exc:  # a bug too: its callers must hear, or they wait forever
             outcomes = [as_service_error(exc)] * len(batch)
         else:
             outcomes = [_item(answer) for answer in answers]
-        finally:
-            self.answering.difference_update(batch)
-        for p, outcome in zip(batch, outcomes, strict=True):
-            _settle(p, outcome)
+        self._answered(batch, outcomes)
 
     async def _exchange(
-        self, kind: Kind, body: bytes, items: int
+        self,
+        kind: Kind,
+        body: bytes,
+        items: int,
+        first: FirstTry | None = None,
+        chosen: Worker | None = None,
     ) -> Sequence[BatchItemAnswer | ServiceError]:
         """A batch of `items` calls answered by a replica (read in one pass: each answer's
         chunk and state stay JSON): by another one if it fails or answers what is no answer to
@@ -301,18 +433,18 @@ class BatchedDerender(HttpDerender):
         async def once(worker: Worker) -> Sequence[BatchItemAnswer | ServiceError]:
             with self.pool.lease(worker):
                 data = await self.sockets.exchange(worker, kind.name, body)
-            answers = _batch_answer(data)
-            if len(answers) != items:
-                raise UpstreamError(f"derender answered {len(answers)} items to a batch of {items}")
-            return answers
+            return _read_batch(data, items)
 
         # each batch socket fails what waits on it when its replica leaves the rotation
-        watched = on_replicas(self.pool, self.policy, once, watched=True)
+        watched = on_replicas(self.pool, self.policy, once, (), True, first, chosen)
         return await self.metrics.timed("derender", watched)
 
     async def close(self) -> None:
+        self.closing = True
         if self.flush is not None:
             self.flush.cancel()
+        for quick in list(self.quick):  # sent, not answered: their callers hear now
+            quick.abandon()
         waiting, self.waiting, self.pending = self.waiting, {}, 0
         gone = closed()
         for items in waiting.values():  # never sent: their callers hear now
@@ -321,6 +453,7 @@ class BatchedDerender(HttpDerender):
         for task in list(self.flushing):
             task.cancel()
         await asyncio.gather(*self.flushing, return_exceptions=True)
+        self._answered(list(self.answering), [gone] * len(self.answering))  # (a task cut unstarted)
         await self.sockets.close()
         await self.cancel_submitted()
 
@@ -328,6 +461,15 @@ class BatchedDerender(HttpDerender):
 def closed() -> UpstreamUnavailable:
     """What a call the transport's closing cut hears."""
     return UpstreamUnavailable("the proxy's derender transport closed")
+
+
+def _read_batch(data: bytes, items: int) -> Sequence[BatchItemAnswer | ServiceError]:
+    """The answer to a batch of `items` calls (one that is no answer to it: the replica's
+    fault, raised)."""
+    answers = _batch_answer(data)
+    if len(answers) != items:
+        raise UpstreamError(f"derender answered {len(answers)} items to a batch of {items}")
+    return answers
 
 
 def _batch_answer(data: bytes) -> Sequence[BatchItemAnswer | ServiceError]:

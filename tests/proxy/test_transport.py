@@ -92,6 +92,8 @@ class FakeDerender:
         garble: bytes | None = None,
     ) -> None:
         self.fail_once = fail_once
+        self.reject_once = False
+        """The next batch answered 400 with an error envelope (the request's own fault)."""
         self.garble = garble
         """Every batch answered 200 with these bytes (no answer to it)."""
         self.hang = hang
@@ -122,6 +124,11 @@ class FakeDerender:
             if self.fail or self.fail_once:
                 self.fail_once = False
                 transport.writelines(answer_frame(call_id, 500, b"down"))
+                continue
+            if self.reject_once:
+                self.reject_once = False
+                envelope = {"error": {"message": "no", "type": "BadRequestError", "code": 400}}
+                transport.writelines(answer_frame(call_id, 400, json.dumps(envelope).encode()))
                 continue
             items = json.loads(body)["requests"]
             self.batches.append(len(items))
@@ -681,7 +688,7 @@ def test_on_uvloop_a_batch_goes_as_soon_as_every_stream_is_in() -> None:
     whose last stream's call completes it goes at once, not when its `wait` runs out."""
 
     class Recorded(BatchedDerender):
-        async def _send(self, batch: list[Any]) -> None:
+        def _send(self, batch: list[Any]) -> None:
             sent.append((len(batch), asyncio.get_running_loop().time() - start))
             for p in batch:
                 p.answer.set_result(None)
@@ -879,3 +886,99 @@ async def test_a_failed_call_drops_only_the_socket_it_failed_on(client: Client) 
         assert isinstance(waiting.exception(), UpstreamUnavailable)  # told, not left waiting
     finally:
         await transport.close()
+
+
+# --------------------------------------------------------------------------- the quick path
+
+
+async def _warm(transport: BatchedDerender, replicas: int) -> None:
+    """One batch per replica, each opening that replica's socket (in turn: least in flight)."""
+    for t in range(replicas):
+        assert _content(await transport.stream(call(t))) == str(t)
+    assert all(transport.sockets.ready(w) for w in transport.pool.workers)
+
+
+async def test_a_batch_on_an_open_socket_is_answered_without_a_task(client: Client) -> None:
+    """The usual batch: sent from the flush's callback and answered in the socket's, holding
+    its replica's lease until then."""
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, pool):
+        await _warm(transport, 1)
+        fake.received.clear()
+        waiting = asyncio.ensure_future(transport.stream(call(5)))
+        await fake.received.wait()
+        assert len(transport.quick) == 1 and not transport.flushing
+        assert pool.workers[0].in_flight == 1
+        assert _content(await waiting) == "5"
+        assert not transport.quick and pool.workers[0].in_flight == 0
+
+
+async def test_a_quick_batch_that_fails_goes_to_another_replica(client: Client) -> None:
+    failing, fine = FakeDerender(), FakeDerender()
+    async with batched(client, [failing, fine]) as (transport, pool):
+        await _warm(transport, 2)
+        failing.fail_once = True
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in (7, 8)))
+        assert [_content(a) for a in answers] == ["7", "8"]
+        assert not failing.fail_once  # the quick batch met the failure, and was retried
+        assert pool.workers[0].breaker.faults == 1  # reported as the replica's fault
+        assert [w.in_flight for w in pool.workers] == [0, 0]
+
+
+async def test_a_quick_batch_refused_fails_its_calls_without_a_retry(client: Client) -> None:
+    """A 4xx for the batch is the request's own: every call hears it, no replica is faulted,
+    nothing is sent again."""
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, pool):
+        await _warm(transport, 1)
+        fake.reject_once = True
+        before = len(fake.batches)
+        with pytest.raises(UpstreamRejected):
+            await transport.stream(call(3))
+        assert len(fake.batches) == before and pool.workers[0].breaker.faults == 0
+        assert _content(await transport.stream(call(4))) == "4"  # the socket is still good
+
+
+async def test_a_hung_quick_batch_times_out_and_goes_elsewhere(client: Client) -> None:
+    hung, fine = FakeDerender(), FakeDerender()
+    pool, servers = await serve([hung, fine])
+    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(5, 0.3))
+    try:
+        await _warm(transport, 2)
+        hung.hang = True
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in (1, 2)))
+        assert [_content(a) for a in answers] == ["1", "2"]
+        assert transport.sockets.ready(pool.workers[0]) is None  # the hung socket was dropped
+        assert [w.in_flight for w in pool.workers] == [0, 0] and not transport.quick
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_socket_closed_under_a_quick_batch_fails_it_over(client: Client) -> None:
+    dropping, fine = FakeDerender(), FakeDerender()
+    async with batched(client, [dropping, fine]) as (transport, _):
+        await _warm(transport, 2)
+        dropping.drop = True
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in (1, 2)))
+        assert [_content(a) for a in answers] == ["1", "2"]
+        assert sum(fine.batches) == 3  # its warm-up batch, its own, and the one failed over
+
+
+async def test_closing_the_transport_tells_quick_batches(client: Client) -> None:
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, pool):
+        await _warm(transport, 1)
+        fake.hang = True
+        fake.received.clear()
+        heard: list[object] = []
+        transport.submit(call(1), heard.append)
+        waiting = asyncio.ensure_future(transport.stream(call(2)))
+        await fake.received.wait()
+        assert transport.quick
+        await transport.close()
+        with pytest.raises(UpstreamUnavailable, match="transport closed"):
+            await waiting
+        assert len(heard) == 1 and isinstance(heard[0], UpstreamUnavailable)
+        assert not transport.quick and pool.workers[0].in_flight == 0
