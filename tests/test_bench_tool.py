@@ -41,6 +41,8 @@ from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.load import (
     EngineTarget,
+    OpenAITarget,
+    Point,
     Sample,
     Spec,
     Target,
@@ -284,6 +286,26 @@ def test_vllm_run_checks_proxy_and_derender_cpu_per_token() -> None:
     assert "goal tokenline >= the gateway: met (1.25x)" in text  # the other goals stay
     points[2]["cpu_front_parts_us"]["bench-derender"] = 30.0
     assert "goal proxy + derender <= 80 us CPU per output token: met (80.0 us)" in markdown(result)
+
+
+def test_a_tokenline_point_says_how_full_its_derender_batches_were() -> None:
+    """The proxy's batches over a point's slices (scraped around each slice), in the point and
+    on the report's per-process line; a target without them has neither."""
+    slices = []
+    for chunks, batches in ((300.0, 20.0), (100.0, 10.0)):
+        p = Point("tokenline", 16, 1.0, [Sample(0.01, [0.001] * 3, 0.1, 4, True)])
+        p.batches = (chunks, batches)
+        slices.append((p, cpu.Split(0.5, 1.0, (("bench-proxy", 0.3), ("bench-derender", 0.2)))))
+    front = [Process("x", ["true"], 0)]
+    point = pipeline._point(lineup.Running(OpenAITarget("tokenline", "u"), front, None), slices)
+    assert point["chunks_per_batch"] == pytest.approx(400.0 / 30.0)
+    result = {"mode": "vllm", "load": "c", "duration_s": 1.0, "points": [point]}
+    assert "13.3 stream chunks per derender batch" in markdown(result)
+    for p, _ in slices:
+        p.batches = (0.0, 0.0)
+    assert "chunks_per_batch" not in pipeline._point(
+        lineup.Running(OpenAITarget("monolithic", "u"), [], None), slices
+    )
 
 
 def test_report_names_a_skipped_target(tmp_path: Path) -> None:

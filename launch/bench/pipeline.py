@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from tokenline.launch import servers
-from tokenline.launch.bench import cores, cpu, exactness, lineup, report
+from tokenline.launch.bench import cores, cpu, exactness, hop, lineup, report
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.load import (
     EngineTarget,
@@ -134,6 +134,7 @@ def _slice(
     request on, and the CPU its parts used."""
     label = f"{running.target.name} {mode}={level:g}"
     target = running.target
+    batched = _batches(running)
     before = cpu.sample(running.front, running.server)
     point: Point
     if mode == "rate":
@@ -141,7 +142,19 @@ def _slice(
         point.concurrency = int(level)
     else:
         point = asyncio.run(closed_loop(target, mix, int(level), duration, label, first))
-    return point, cpu.sample(running.front, running.server) - before
+    used = cpu.sample(running.front, running.server) - before
+    if batched is not None and (after := _batches(running)) is not None:
+        point.batches = (after[0] - batched[0], after[1] - batched[1])
+    return point, used
+
+
+def _batches(running: lineup.Running) -> tuple[float, float] | None:
+    """tokenline's derender batches so far (chunks, batches), from its proxy's metrics; None
+    for any other target."""
+    target = running.target
+    if target.name != "tokenline" or not isinstance(target, OpenAITarget):
+        return None
+    return hop.batch_items(target.url)
 
 
 def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> dict[str, Any]:
@@ -153,11 +166,14 @@ def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> di
     used = sum((u for _, u in slices), start=cpu.Split())
     summary = point.summary()
     tokens = int(summary["output_tokens"])
+    chunks = sum(p.batches[0] for p, _ in slices)
+    batches = sum(p.batches[1] for p, _ in slices)
     return {
         "target": point.target,
         "level": point.concurrency,
         **summary,
         **cpu.per_token(used, tokens, has_front=bool(running.front)),
+        **({"chunks_per_batch": chunks / batches} if batches else {}),
     }
 
 

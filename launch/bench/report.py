@@ -58,7 +58,9 @@ def _front_parts(target: str, point: dict[str, Any]) -> str | None:
     if len(parts) < 2:
         return None
     each = ", ".join(f"{name} {us:.0f}" for name, us in parts.items())
-    return f"{target} front end CPU us/tok by process: {each}  "
+    batches = point.get("chunks_per_batch")
+    per_batch = f"; {batches:.1f} stream chunks per derender batch" if batches else ""
+    return f"{target} front end CPU us/tok by process: {each}{per_batch}  "
 
 
 def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
