@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tokenline.launch.bench import derender, goals, pd, pipeline, render
+from tokenline.launch.bench import derender, goals, pd, pipeline, render, verdicts
 from tokenline.launch.bench.common import Result
 from tokenline.launch.bench.goals import Bench, Outcome, Sitting
 
@@ -46,11 +46,11 @@ ISSUE_SPLIT = {"bench-proxy": 50.0, "bench-render": 10.0, "bench-derender": 31.0
 def test_end_to_end_goals_from_the_runs_figures() -> None:
     """The issue's own split (proxy 50, render 10, derender 31) misses goal 1 by a microsecond:
     render is not counted, proxy and derender are."""
-    v = goals.e2e_verdicts(_vllm_run(ISSUE_SPLIT))
+    v = verdicts.e2e_verdicts(_vllm_run(ISSUE_SPLIT))
     assert not v["1"].met
     assert v["1"].measured == "81.0 us (bench-proxy 50.0 + bench-derender 31.0)"
     assert v["1"].against == "threshold 80 us"
-    assert goals.e2e_verdicts(_vllm_run(ISSUE_SPLIT | {"bench-derender": 30.0}))["1"].met
+    assert verdicts.e2e_verdicts(_vllm_run(ISSUE_SPLIT | {"bench-derender": 30.0}))["1"].met
     assert v["3a"].met and v["3a"].measured == "1100 tok/s, TTFT p50 39.0 ms (1.10x)"
     assert v["3a"].against == "monolithic 1000 tok/s, TTFT p50 40.0 ms"
     assert v["4"].met and v["4"].measured == "1100 tok/s (1.05x), logprobs exact in 2/2 cases"
@@ -61,19 +61,19 @@ def test_faster_is_not_enough() -> None:
     """3a also wants TTFT no worse; 4 also wants every logprob exact (and the check run)."""
     result = _vllm_run(ISSUE_SPLIT, exact=1)
     result["points"][0]["ttft_p50_ms"] = 40.5
-    v = goals.e2e_verdicts(result)
+    v = verdicts.e2e_verdicts(result)
     assert not v["3a"].met and "(1.10x)" in v["3a"].measured
     assert not v["4"].met and v["4"].measured.endswith("logprobs exact in 1/2 cases")
     del result["exactness"]
-    assert not goals.e2e_verdicts(result)["4"].met
+    assert not verdicts.e2e_verdicts(result)["4"].met
 
 
 def test_a_goal_without_its_figures_gets_no_verdict() -> None:
     result = _vllm_run({"bench-proxy": 50.0, "bench-render": 10.0})
     result["points"] = [p for p in result["points"] if p["target"] != "gateway"]
-    assert set(goals.e2e_verdicts(result)) == {"3a"}  # no derender figure, no gateway
+    assert set(verdicts.e2e_verdicts(result)) == {"3a"}  # no derender figure, no gateway
     result["points"][0]["level"] = 4
-    assert goals.e2e_verdicts(result) == {}  # tokenline not measured at 16
+    assert verdicts.e2e_verdicts(result) == {}  # tokenline not measured at 16
 
 
 def test_exact_logprobs_counts_errors_as_inexact_and_ignores_text() -> None:
@@ -82,34 +82,34 @@ def test_exact_logprobs_counts_errors_as_inexact_and_ignores_text() -> None:
         "b": {"tokenline": {"answer": "error: 500"}},
         "c": {"gateway": {"logprobs": None}},
     }
-    assert goals.exact_logprobs({"cases": rows}) == (1, 2)
-    assert goals.exact_logprobs(None) == (0, 0)
+    assert verdicts.exact_logprobs({"cases": rows}) == (1, 2)
+    assert verdicts.exact_logprobs(None) == (0, 0)
 
 
 def test_double_goals_are_added_itl_and_tokens_per_second() -> None:
     ours = _point("tokenline", 21_000.0, itl=0.55)
     result = {"points": [ours, _point("engine", 40_000.0, itl=0.2)]}
-    v = goals.double_verdicts(result)
+    v = verdicts.double_verdicts(result)
     assert not v["3b-itl"].met and v["3b-itl"].measured == "ITL p50 0.550 ms (+0.350 ms)"
     assert v["3b-rate"].met and v["3b-rate"].measured == "21,000 tok/s"
     ours["itl_p50_ms"] = 0.5
-    assert goals.double_verdicts(result)["3b-itl"].met
+    assert verdicts.double_verdicts(result)["3b-itl"].met
 
 
 def test_render_derender_and_pd_goals() -> None:
     rendered = {"long_every": 4, "points": [_ratio_point(4, 9.0), _ratio_point(16, 2.9)]}
-    v = goals.render_verdicts(rendered)["5-render"]
+    v = verdicts.render_verdicts(rendered)["5-render"]
     assert not v.met and v.measured == "290 req/s (2.90x)"  # the point at 16, not at 4
     assert v.against == "vllm launch render 100 req/s (long prompt every 4)"
     detok = {"points": [_ratio_point(16, 5.0, unit="chunks")]}
-    assert goals.derender_verdicts(detok)["5-derender"].met
-    assert goals.derender_verdicts({"points": [_ratio_point(64, 9.0, unit="chunks")]}) == {}
+    assert verdicts.derender_verdicts(detok)["5-derender"].met
+    assert verdicts.derender_verdicts({"points": [_ratio_point(64, 9.0, unit="chunks")]}) == {}
     setups = {"one": {"ttft_p50_ms": 50.0}, "pd": {"ttft_p50_ms": 101.0}}
-    v = goals.pd_verdicts({"streams": 16, "setups": setups})["6"]
+    v = verdicts.pd_verdicts({"streams": 16, "setups": setups})["6"]
     assert not v.met and v.measured == "TTFT p50 101 ms (2.02x)"
     assert v.against == "one pool 50 ms"
-    assert goals.pd_verdicts({"streams": 16, "setups": {"pd": setups["pd"]}}) == {}
-    assert goals.pd_verdicts({"streams": 4, "setups": setups}) == {}
+    assert verdicts.pd_verdicts({"streams": 16, "setups": {"pd": setups["pd"]}}) == {}
+    assert verdicts.pd_verdicts({"streams": 4, "setups": setups}) == {}
 
 
 def _ratio_point(c: int, ratio: float, unit: str = "requests") -> dict[str, Any]:
@@ -132,13 +132,13 @@ def test_render_and_derender_figures_are_what_the_checks_read() -> None:
     )
     assert points[0]["ratio"] == 3.0 and points[0]["tokenline_cpu_us_per_request"] == 1000.0
     assert points[0]["vllm_errors"] == 1 and points[0]["vllm_cpu_us_per_request"] == 5000.0
-    assert goals.render_verdicts({"long_every": 4, "points": points})["5-render"].met
+    assert verdicts.render_verdicts({"long_every": 4, "points": points})["5-render"].met
     chunks = derender.point(Result("tokenline", 16, 500, 1.0, [], 0, 900), theirs)
     assert chunks["ratio"] == 5.0 and chunks["tokenline_tokens_per_s"] == 900.0
-    assert goals.derender_verdicts({"points": [chunks]})["5-derender"].met
+    assert verdicts.derender_verdicts({"points": [chunks]})["5-derender"].met
     idle = Result("vllm", 16, 0, 1.0, [], 0)
     assert derender.point(mine, idle)["ratio"] is None  # JSON has no infinity
-    assert goals.derender_verdicts({"points": [derender.point(mine, idle)]}) == {}
+    assert verdicts.derender_verdicts({"points": [derender.point(mine, idle)]}) == {}
 
 
 def _parsed(bench: Bench, add: Any, quick: bool, skip: int) -> argparse.Namespace:
@@ -177,7 +177,7 @@ def _bench(name: str, code: str, goal_key: str = "5-render") -> Bench:
     """A stand-in bench: python -c CODE, given its JSON path last; checked like render."""
     return Bench(
         name, ("-c", code), ("--flag",), ("--short",), f"{name}.json", "log.txt",
-        goals.render_verdicts, "--json",
+        verdicts.render_verdicts, "--json",
     )  # fmt: skip
 
 
@@ -218,7 +218,7 @@ def _sitting(quick: bool = False) -> Sitting:
 
 def test_the_report_has_a_line_per_goal_even_when_its_bench_failed() -> None:
     ran = Outcome("render", "ran", "/o/render", report="/o/render/log.txt", seconds=42)
-    ran.verdicts = goals.render_verdicts(FIGURES)
+    ran.verdicts = verdicts.render_verdicts(FIGURES)
     failed = Outcome("e2e", "failed", "/o/e2e", error="exit status 1: a|b")
     empty = Outcome("pd", "ran", "/o/pd", report="/o/pd/pd.md")  # no figures at 16 streams
     outcomes = [failed, Outcome("double", "skipped", "/o/double"), ran, empty]
