@@ -145,7 +145,11 @@ async def on_replicas(
         candidates = [w for w in pool.healthy() if w not in tried]
         if not candidates:
             break
-        worker, chosen = (chosen, None) if chosen is not None else (pool.choose(tried), None)
+        if chosen is not None and chosen.healthy:  # (still: it was chosen before a wait)
+            worker = chosen
+        else:
+            worker = pool.choose(exclude=tried)
+        chosen = None
         tried.append(worker)
         try:
             with reported(pool, worker):

@@ -42,7 +42,7 @@ Answered = asyncio.Future[tuple[int, bytes]]
 class Waiter(Protocol):
     """What waits for a batch's answer on a socket: a future (`BatchSockets.exchange`), or
     anything with a future's three methods that hears it in the socket's callback (the batched
-    transport's quick path). It must not touch the socket's `waiting` from them."""
+    transport's quick path)."""
 
     def done(self) -> bool: ...
 
@@ -131,10 +131,12 @@ class ReplicaSocket(asyncio.Protocol):
         if not self.upgraded.done():
             self.upgraded.set_exception(type(failure)(failure.message))
             self.upgraded.exception()  # retrieved: an opening that timed out awaits it no more
-        for future in self.waiting.values():
+        # taken out first: a waiter that hears may close this socket again (a breaker opening
+        # drops the replica's socket), which must find nothing left to fail
+        waiting, self.waiting = self.waiting, {}
+        for future in waiting.values():
             if not future.done():
                 future.set_exception(type(failure)(failure.message))
-        self.waiting.clear()
 
     def close(self, failure: ServiceError | None = None) -> None:
         """The connection closed, failing what waits on it (with `failure`, if given first)."""

@@ -175,7 +175,18 @@ class _Quick:
     future would (`sockets.Waiter`). It holds its replica's lease and its read timer until it
     is over: answered, failed (the retries then go on in a task), or abandoned."""
 
-    __slots__ = ("body", "kind", "owner", "part", "sock", "start", "started", "timer", "worker")
+    __slots__ = (
+        "body",
+        "call_id",
+        "kind",
+        "owner",
+        "part",
+        "sock",
+        "start",
+        "started",
+        "timer",
+        "worker",
+    )
 
     def __init__(
         self, owner: BatchedDerender, kind: Kind, part: list[_Pending], body: bytes, worker: Worker
@@ -185,10 +196,11 @@ class _Quick:
         self.started = time.monotonic()  # for the retries' deadline
         self.sock: ReplicaSocket | None = None
         """Set once sent; None again once over."""
+        self.call_id = -1
         self.timer: asyncio.TimerHandle | None = None
 
-    def sent(self, sock: ReplicaSocket, read: float | None) -> None:
-        self.sock = sock
+    def sent(self, sock: ReplicaSocket, call_id: int, read: float | None) -> None:
+        self.sock, self.call_id = sock, call_id
         self.worker.in_flight += 1  # the lease `on_replicas`'s calls take
         self.owner.quick.add(self)
         if read is not None:
@@ -199,19 +211,26 @@ class _Quick:
 
     def set_result(self, answer: tuple[int, bytes], /) -> None:
         if self._over():
-            self.owner._answered_now(self, *answer)
+            self._heard(self.owner._answered_now, *answer)
 
     def set_exception(self, failure: BaseException, /) -> None:
         if self._over():
-            self.owner._failed_now(self, as_service_error(failure))
+            self._heard(self.owner._failed_now, as_service_error(failure))
+
+    def _heard(self, outcome: Callable[..., None], *args: Any) -> None:
+        """`outcome(self, *args)`, in the socket's callback: a bug there is every call's
+        answer (raised, the event loop would log it, and the callers would wait forever)."""
+        try:
+            outcome(self, *args)
+        except Exception as exc:
+            self.owner._answered(self.part, [as_service_error(exc)] * len(self.part))
 
     def abandon(self) -> None:
         """The transport is closing: its calls hear so, and the socket forgets it."""
         sock = self.sock
         if self._over() and sock is not None:
-            for call_id, waiter in list(sock.waiting.items()):
-                if waiter is self:
-                    del sock.waiting[call_id]
+            if sock.waiting.get(self.call_id) is self:
+                del sock.waiting[self.call_id]
             self.owner._answered(self.part, [closed()] * len(self.part))
 
     def _expire(self) -> None:
@@ -326,13 +345,18 @@ class BatchedDerender(HttpDerender):
                 self._send(batch)
 
     def _send(self, batch: list[_Pending]) -> None:
-        kind = batch[0].call.kind
-        items = [p.call.lean_json() for p in batch]
-        parts = _bodies(batch, items)  # (a call too large for any heard its 413 here)
-        for part, _ in parts:
-            self.answering.update(part)
-        for part, body in parts:
-            self._dispatch(kind, part, body)
+        """`batch` sent (in the flush's callback): a bug here is its calls' answer, not the
+        next batches' loss."""
+        try:
+            kind = batch[0].call.kind
+            items = [p.call.lean_json() for p in batch]
+            parts = _bodies(batch, items)  # (a call too large for any heard its 413 here)
+            for part, _ in parts:
+                self.answering.update(part)
+            for part, body in parts:
+                self._dispatch(kind, part, body)
+        except Exception as exc:
+            self._answered(batch, [as_service_error(exc)] * len(batch))
 
     def _spawn(self, answering: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(answering)
@@ -344,26 +368,22 @@ class BatchedDerender(HttpDerender):
         (`_Quick`: the answer heard in the socket's callback, no task or coroutine per
         batch), else by a task that opens one; a batch that fails goes on in a task, to be
         retried elsewhere."""
+        if self.closing:  # (a flush the closing did not cancel)
+            self._answered(part, [closed()] * len(part))
+            return
         worker = None
-        if not self.closing:
-            with contextlib.suppress(ServiceError):  # no replica: the task raises it
-                worker = self.pool.choose()
+        with contextlib.suppress(ServiceError):  # no replica: the task raises it
+            worker = self.pool.choose()
         sock = None if worker is None else self.sockets.ready(worker)
         if worker is None or sock is None:
             self._spawn(self._answer(kind, part, body, chosen=worker))
             return
         quick = _Quick(self, kind, part, body, worker)
-        try:
-            self.sockets.call(sock, kind.name, body, quick)
-        except ServiceError as exc:  # the socket failed just now
-            self.sockets.drop(sock)
-            self._failed_now(quick, exc)
-            return
-        quick.sent(sock, self.limits.read)
+        call_id = self.sockets.call(sock, kind.name, body, quick)  # (open: it cannot fail)
+        quick.sent(sock, call_id, self.limits.read)
 
     def _answered_now(self, quick: _Quick, status: int, data: bytes) -> None:
         """A quick batch's answer, in the socket's callback."""
-        self.metrics.hop_seconds("derender", time.perf_counter() - quick.start)
         try:
             if status != 200:
                 raise rejected_or_failed("derender", quick.worker, status, data)
@@ -372,6 +392,7 @@ class BatchedDerender(HttpDerender):
             self._failed_now(quick, exc)
             return
         report(self.pool, quick.worker, None)
+        self.metrics.hop_seconds("derender", time.perf_counter() - quick.start)
         self._answered(quick.part, [_item(answer) for answer in answers])
 
     def _failed_now(self, quick: _Quick, failure: ServiceError) -> None:
@@ -380,11 +401,12 @@ class BatchedDerender(HttpDerender):
         (unless the transport is closing: then its calls hear so)."""
         report(self.pool, quick.worker, failure)
         if isinstance(failure, UpstreamRejected) or self.closing:
+            self.metrics.hop_seconds("derender", time.perf_counter() - quick.start)
             outcome = failure if not self.closing else closed()
             self._answered(quick.part, [outcome] * len(quick.part))
             return
         first = FirstTry(quick.worker, failure, quick.started)
-        self._spawn(self._answer(quick.kind, quick.part, quick.body, first))
+        self._spawn(self._answer(quick.kind, quick.part, quick.body, first, start=quick.start))
 
     def _answered(
         self, part: list[_Pending], outcomes: Sequence[StreamAnswer | ServiceError]
@@ -402,13 +424,14 @@ class BatchedDerender(HttpDerender):
         body: bytes,
         first: FirstTry | None = None,
         chosen: Worker | None = None,
+        start: float | None = None,
     ) -> None:
         """One request body's calls answered (or failed together, if the whole body fails),
-        after a first try that failed, if given; cancelled (the transport closing), they hear
-        so."""
+        after a first try that failed, if given (`start`: when it began, for the hop's
+        latency); cancelled (the transport closing), they hear so."""
         outcomes: list[StreamAnswer | ServiceError]
         try:
-            answers = await self._exchange(kind, body, len(batch), first, chosen)
+            answers = await self._exchange(kind, body, len(batch), first, chosen, start)
         except asyncio.CancelledError:
             self._answered(batch, [closed()] * len(batch))
             raise
@@ -425,6 +448,7 @@ class BatchedDerender(HttpDerender):
         items: int,
         first: FirstTry | None = None,
         chosen: Worker | None = None,
+        start: float | None = None,
     ) -> Sequence[BatchItemAnswer | ServiceError]:
         """A batch of `items` calls answered by a replica (read in one pass: each answer's
         chunk and state stay JSON): by another one if it fails or answers what is no answer to
@@ -437,7 +461,12 @@ class BatchedDerender(HttpDerender):
 
         # each batch socket fails what waits on it when its replica leaves the rotation
         watched = on_replicas(self.pool, self.policy, once, (), True, first, chosen)
-        return await self.metrics.timed("derender", watched)
+        if start is None:
+            return await self.metrics.timed("derender", watched)
+        try:  # the hop's latency over every try, the first one included
+            return await watched
+        finally:
+            self.metrics.hop_seconds("derender", time.perf_counter() - start)
 
     async def close(self) -> None:
         self.closing = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from aiohttp.test_utils import TestServer
@@ -11,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from tests.fakes.decode import EndlessDecode
 from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas
+from tokenline.proxy.retry import FirstTry, RetryPolicy, on_replicas
 from tokenline.proxy.upstream import stream_payloads
 from tokenline.shared.errors import (
     UpstreamError,
@@ -192,3 +193,52 @@ async def test_a_stream_on_a_replica_that_leaves_the_rotation_gives_up_at_once()
     finally:
         await client.close()
         await server.close()
+
+
+async def test_a_first_try_made_elsewhere_counts_as_one() -> None:
+    """`first`: the tries after a failed first one, as if `on_replicas` had made it: its
+    replica not tried again, the attempts counted, its failure raised when none is left."""
+    p = pool("a", "b", "c")
+    seen: list[str] = []
+
+    async def call(w: Worker) -> str:
+        seen.append(w.url)
+        raise UpstreamError(f"{w.url} broke")
+
+    broke = UpstreamError("a broke first")
+    first = FirstTry(p.workers[0], broke, time.monotonic())
+    with pytest.raises(UpstreamError, match="broke"):
+        await on_replicas(p, RetryPolicy(attempts=3, sleep=False), call, first=first)
+    assert sorted(seen) == ["b", "c"]  # two more: three in all, never "a" again
+    seen.clear()
+    with pytest.raises(UpstreamError) as raised:
+        await on_replicas(p, RetryPolicy(attempts=1, sleep=False), call, first=first)
+    assert raised.value is broke and seen == []  # its one attempt was the first try
+
+
+async def test_a_first_try_past_the_deadline_is_not_retried_unless_the_replica_is_gone() -> None:
+    p = pool("a", "b")
+
+    async def call(w: Worker) -> str:
+        return w.url
+
+    long_ago = time.monotonic() - 60
+    slow = FirstTry(p.workers[0], UpstreamError("a was slow"), long_ago)
+    with pytest.raises(UpstreamError, match="slow"):
+        await on_replicas(p, RetryPolicy(timeout=10, sleep=False), call, first=slow)
+    gone = FirstTry(p.workers[0], UpstreamTimeout("a hung"), long_ago)
+    assert await on_replicas(p, RetryPolicy(timeout=10, sleep=False), call, first=gone) == "b"
+
+
+async def test_the_chosen_replica_takes_the_first_try_while_it_is_healthy() -> None:
+    p = pool("a", "b", "c")
+    seen: list[str] = []
+
+    async def call(w: Worker) -> str:
+        seen.append(w.url)
+        return w.url
+
+    assert await on_replicas(p, NO_SLEEP, call, chosen=p.workers[2]) == "c"
+    p.workers[2].healthy = False  # ejected between its choice and the try
+    assert await on_replicas(p, NO_SLEEP, call, chosen=p.workers[2]) in ("a", "b")
+    assert seen[0] == "c" and seen[1] != "c"

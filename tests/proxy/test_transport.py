@@ -982,3 +982,78 @@ async def test_closing_the_transport_tells_quick_batches(client: Client) -> None
             await waiting
         assert len(heard) == 1 and isinstance(heard[0], UpstreamUnavailable)
         assert not transport.quick and pool.workers[0].in_flight == 0
+
+
+async def test_a_socket_closed_under_a_quick_batch_raises_nothing_in_the_loop(
+    client: Client,
+) -> None:
+    """The breaker that opens as the batch hears drops the socket being failed: nothing is
+    failed twice, and the event loop hears no exception."""
+    errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+    dropping, fine = FakeDerender(), FakeDerender()
+    async with batched(client, [dropping, fine]) as (transport, pool):
+        await _warm(transport, 2)
+        dropping.drop = True
+        answers = await asyncio.gather(*(transport.stream(call(t)) for t in (1, 2)))
+        assert [_content(a) for a in answers] == ["1", "2"]
+        await asyncio.sleep(0.05)  # the dropped socket's connection_lost has run
+        assert [w.in_flight for w in pool.workers] == [0, 0]
+    assert errors == []
+
+
+def _hop_count(metrics: ProxyMetrics) -> tuple[float, float]:
+    """The derender hop's latency observations so far: (how many, their sum)."""
+    labels = {"hop": "derender"}
+    count = metrics.registry.get_sample_value("tokenline_proxy_hop_seconds_count", labels)
+    total = metrics.registry.get_sample_value("tokenline_proxy_hop_seconds_sum", labels)
+    return count or 0.0, total or 0.0
+
+
+async def test_a_quick_batch_is_one_latency_over_its_tries(client: Client) -> None:
+    """A batch failed over is one observation of the hop (not one per try), and a hung one's
+    covers its wait (not only the retry that answered)."""
+    failing, fine = FakeDerender(), FakeDerender()
+    pool, servers = await serve([failing, fine])
+    metrics = ProxyMetrics()
+    policy = RetryPolicy(sleep=False)
+    transport = BatchedDerender(client, pool, policy, metrics, Limits(5, 0.3))
+    try:
+        await _warm(transport, 2)
+        before, _ = _hop_count(metrics)
+        failing.fail_once = True
+        await asyncio.gather(*(transport.stream(call(t)) for t in (1, 2)))
+        after, _ = _hop_count(metrics)
+        assert after - before == 2  # two batches (one per replica), one failed over
+        failing.hang = True
+        _, waited = _hop_count(metrics)
+        await asyncio.gather(*(transport.stream(call(t)) for t in (3, 4)))
+        count, total = _hop_count(metrics)
+        assert count - after == 2 and total - waited >= 0.3  # the hung one's wait is in it
+    finally:
+        await transport.close()
+        for s in servers:
+            await s.close()
+
+
+async def test_a_bug_in_a_quick_batchs_callback_is_its_calls_answer(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raised in the socket's callback, a bug would go to the event loop and leave the callers
+    waiting: each call hears it instead, and the next batch goes on."""
+    fake = FakeDerender()
+    async with batched(client, [fake]) as (transport, pool):
+        await _warm(transport, 1)
+
+        def broken(answer: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(transport_module, "_item", broken)
+            both = asyncio.gather(
+                transport.stream(call(1)), transport.stream(call(2)), return_exceptions=True
+            )
+            results = await asyncio.wait_for(both, 10)
+        assert all(isinstance(r, ServiceError) and r.status == 500 for r in results), results
+        assert not transport.answering and pool.workers[0].in_flight == 0
+        assert _content(await transport.stream(call(3))) == "3"
