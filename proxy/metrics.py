@@ -72,9 +72,11 @@ class ProxyMetrics(ServiceMetrics):
             "migrations", "Streams continued on another decode replica after theirs failed"
         )
 
-    async def timed(self, hop: str, call: Awaitable[T]) -> T:
-        """`call`, its latency observed under `hop`."""
-        start = time.perf_counter()
+    async def timed(self, hop: str, call: Awaitable[T], start: float | None = None) -> T:
+        """`call`, its latency observed under `hop` (from `start`, a `time.perf_counter()`,
+        when it began before this: a try made elsewhere)."""
+        if start is None:
+            start = time.perf_counter()
         try:
             return await call
         finally:

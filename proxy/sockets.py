@@ -30,6 +30,7 @@ from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,
     MAX_ANSWER_FRAME,
     UPGRADE,
+    UPGRADE_HEADERS,
     FrameError,
     FrameReader,
     call_frame,
@@ -169,20 +170,17 @@ class BatchSockets:
         """The batch route's answer to `body` (at most `MAX_BATCH_BODY` bytes) from `worker`; an
         error answer raises (`rejected_or_failed`), a failed socket raises its failure."""
         sock = await self._socket(worker)
-        call_id = next(self.ids)
+        call_id = -1
         future: Answered = sock.loop.create_future()
-        sock.waiting[call_id] = future
         # a timer on the answer's future, not `asyncio.timeout`: the wait is that one future,
         # and a Timeout's task lookups cost more per batch
         read = self.limits.read
         timer = sock.loop.call_later(read, _expire, future) if read is not None else None
         try:
-            sock.send(call_id, kind, body)
+            call_id = self.call(sock, kind, body, future)
             status, data = await future
         except TimeoutError as exc:
-            failure = UpstreamTimeout(f"derender {worker.url} timed out on a batch")
-            self.drop(sock, failure)  # hung: what else waits on it would time out too
-            raise failure from exc
+            raise self.hung(sock) from exc
         except ServiceError:
             self.drop(sock)  # the socket failed: it is done for
             raise
@@ -210,6 +208,13 @@ class BatchSockets:
         sock.send(call_id, kind, body)
         sock.waiting[call_id] = waiter
         return call_id
+
+    def hung(self, sock: ReplicaSocket) -> UpstreamTimeout:
+        """`sock` gave no answer within the read timeout: dropped (what else waits on it would
+        time out too, and fails now), and the failure returned."""
+        failure = UpstreamTimeout(f"derender {sock.url} timed out on a batch")
+        self.drop(sock, failure)
+        return failure
 
     def drop(self, sock: ReplicaSocket, failure: ServiceError | None = None) -> None:
         """`sock` failed (or its replica left the rotation): what waits on it fails with
@@ -242,7 +247,6 @@ class BatchSockets:
             raise UpstreamUnavailable(f"derender {worker.url} unreachable: {exc}") from exc
         scheme, host, port = to.origin
         tls = self.client.tls_context() if scheme == "https" else None
-        upgrade = {"Connection": "Upgrade", "Upgrade": UPGRADE}
         sock: ReplicaSocket | None = None
         try:
             async with asyncio.timeout(self.limits.connect):
@@ -254,7 +258,7 @@ class BatchSockets:
                     server_hostname=host if tls else None,
                 )
                 assert sock.transport is not None
-                sock.transport.write(request_bytes("GET", to, b"", upgrade))
+                sock.transport.write(request_bytes("GET", to, b"", UPGRADE_HEADERS))
                 await sock.upgraded
         except (OSError, TimeoutError) as exc:
             if sock is not None:

@@ -33,7 +33,6 @@ from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
     UpstreamRejected,
-    UpstreamTimeout,
     UpstreamUnavailable,
     as_service_error,
 )
@@ -237,10 +236,8 @@ class _Quick:
         """No answer within the read timeout: the socket is hung, and dropped (what else waits
         on it would time out too), which fails this batch too, as the replica's fault."""
         self.timer = None
-        sock = self.sock
-        if sock is not None:
-            failure = UpstreamTimeout(f"derender {self.worker.url} timed out on a batch")
-            self.owner.sockets.drop(sock, failure)
+        if self.sock is not None:
+            self.owner.sockets.hung(self.sock)
 
     def _over(self) -> bool:
         """Over now (True), or before (False): the lease and the timer let go once."""
@@ -461,12 +458,7 @@ class BatchedDerender(HttpDerender):
 
         # each batch socket fails what waits on it when its replica leaves the rotation
         watched = on_replicas(self.pool, self.policy, once, (), True, first, chosen)
-        if start is None:
-            return await self.metrics.timed("derender", watched)
-        try:  # the hop's latency over every try, the first one included
-            return await watched
-        finally:
-            self.metrics.hop_seconds("derender", time.perf_counter() - start)
+        return await self.metrics.timed("derender", watched, start)  # every try, the first too
 
     async def close(self) -> None:
         self.closing = True

@@ -16,12 +16,9 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from tokenline.shared.frames import UPGRADE, FrameError, FrameReader
+from tokenline.shared.frames import UPGRADE_HEADERS, FrameError, FrameReader
 
 log = logging.getLogger(__name__)
-
-UPGRADE_HEADERS = {"Upgrade": UPGRADE, "Connection": "Upgrade"}
-"""The 101's headers."""
 
 
 class FrameFeed:

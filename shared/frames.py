@@ -28,6 +28,8 @@ from tokenline.shared.http import MAX_BODY
 BATCH_SOCKET_PATH = "/derender/batch/socket"
 UPGRADE = "tokenline-frames"
 """The protocol the batch socket's connection upgrades to (the `Upgrade` header's token)."""
+UPGRADE_HEADERS = {"Connection": "Upgrade", "Upgrade": UPGRADE}
+"""The upgrade's headers, in the request and in the 101."""
 HEAD_LIMIT = 64
 MAX_CALL_FRAME = MAX_BODY
 """The largest call frame derender takes (the batch route's body limit);

@@ -44,7 +44,7 @@ from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,
     LENGTH,
     MAX_CALL_FRAME,
-    UPGRADE,
+    UPGRADE_HEADERS,
     answer_frame,
     call_frame,
     read_answer,
@@ -147,7 +147,7 @@ async def frames_socket(url: str) -> AsyncIterator[Exchange]:
     _, host, port = to.origin
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(request_bytes("GET", to, b"", {"Connection": "Upgrade", "Upgrade": UPGRADE}))
+        writer.write(request_bytes("GET", to, b"", UPGRADE_HEADERS))
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 101 "):
             raise RuntimeError(f"{url} refused the upgrade: {head[:200]!r}")
