@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tokenline.launch.bench import derender, goals, pd, pipeline, render, verdicts
-from tokenline.launch.bench.common import Result
+from tokenline.launch.bench.common import Result, write_points
 from tokenline.launch.bench.goals import Bench, Outcome, Sitting
 
 # --------------------------------------------------------------------------- the checks
@@ -122,6 +122,16 @@ def _ratio_point(c: int, ratio: float, unit: str = "requests") -> dict[str, Any]
 
 
 # --------------------------------------------------------------------------- the benches' figures
+
+
+def test_a_benchs_written_points_read_back_as_its_checks_take_them(tmp_path: Path) -> None:
+    """`--json`'s file (`common.write_points`): the setup beside the points, in a folder made
+    for it, as the goals runner loads it."""
+    path = tmp_path / "render" / "render.json"
+    write_points(path, {"long_every": 4, "duration_s": 10.0}, [_ratio_point(16, 3.5)])
+    figures = json.loads(path.read_text())
+    assert figures["duration_s"] == 10.0
+    assert verdicts.render_verdicts(figures)["5-render"].measured == "350 req/s (3.50x)"
 
 
 def test_render_and_derender_figures_are_what_the_checks_read() -> None:

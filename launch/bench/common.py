@@ -7,11 +7,21 @@ absolute numbers only mean something next to each other.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+
+
+def write_points(path: Path, setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
+    """A bench's setup and figures as JSON, for readers that should not parse its printed
+    report (the goals runner)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(setup | {"points": points}, indent=2))
 
 
 @dataclass

@@ -21,7 +21,7 @@ import msgspec
 
 from tokenline.launch import servers
 from tokenline.launch.bench.client import Connection, on_uvloop
-from tokenline.launch.bench.common import Result
+from tokenline.launch.bench.common import Result, write_points
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
 from tokenline.launch.models.build import build
@@ -211,10 +211,8 @@ def main() -> None:
     args = parser.parse_args()
     points = run(args)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
         setup = {"duration_s": args.duration, "streams": args.streams, "tokens": args.tokens}
-        path.write_text(json.dumps(setup | {"points": points}, indent=2))
+        write_points(Path(args.json), setup, points)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 from tokenline.launch import servers
 from tokenline.launch.bench.client import Connection, on_uvloop
-from tokenline.launch.bench.common import Result, report
+from tokenline.launch.bench.common import Result, report, write_points
 from tokenline.launch.bench.corpus import chat_requests, completion_requests, with_long_messages
 from tokenline.launch.bench.cpu import sample as cpu_sample
 from tokenline.launch.models.build import build
@@ -212,7 +212,8 @@ def main() -> None:
     args = parser.parse_args()
     points = [p for served in args.models for p in run_model(served, args)]
     if args.json:
-        write_json(Path(args.json), args, points)
+        setup = {"duration_s": args.duration, "long_every": args.long_every, "rounds": args.rounds}
+        write_points(Path(args.json), setup, points)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,13 +225,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="tokenline's render workers")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved slices per point")
     parser.add_argument("--json", default=None, help="also write every point's figures here")
-
-
-def write_json(path: Path, args: argparse.Namespace, points: list[dict[str, Any]]) -> None:
-    """The run's setup and points, for readers that should not parse the printed report."""
-    run = {"duration_s": args.duration, "long_every": args.long_every, "rounds": args.rounds}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(run | {"points": points}, indent=2))
 
 
 if __name__ == "__main__":
