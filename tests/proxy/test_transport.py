@@ -156,11 +156,16 @@ async def serve(fakes: list[FakeDerender]) -> tuple[Pool, list[TestServer]]:
 
 @contextlib.asynccontextmanager
 async def batched(
-    client: Client, fakes: list[FakeDerender], wait: float = 0.002
+    client: Client,
+    fakes: list[FakeDerender],
+    wait: float = 0.002,
+    limits: Limits = LIMITS,
+    metrics: ProxyMetrics = METRICS,
 ) -> AsyncIterator[tuple[BatchedDerender, Pool]]:
     """A batched transport over `fakes` served for real, closed after."""
     pool, servers = await serve(fakes)
-    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS, wait=wait)
+    policy = RetryPolicy(sleep=False)
+    transport = BatchedDerender(client, pool, policy, metrics, limits, wait=wait)
     try:
         yield transport, pool
     finally:
@@ -263,31 +268,19 @@ async def test_an_item_that_is_no_answer_fails_alone(client: Client) -> None:
 
 async def test_a_failing_replica_is_retried_elsewhere(client: Client) -> None:
     broken, fine = FakeDerender(fail=True), FakeDerender()
-    pool, servers = await serve([broken, fine])
-    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
-    try:
+    async with batched(client, [broken, fine]) as (transport, _):
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
         assert len(answers) == 4 and sum(fine.batches) == 4
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_no_replica_answering_fails_every_waiting_call(
     client: Client,
 ) -> None:
-    pool, servers = await serve([FakeDerender(fail=True)])
-    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
-    try:
+    async with batched(client, [FakeDerender(fail=True)]) as (transport, _):
         results = await asyncio.gather(
             *(transport.stream(call(t)) for t in range(3)), return_exceptions=True
         )
         assert all(isinstance(r, UpstreamError) for r in results)
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_a_socket_closed_mid_batch_fails_over_and_reopens(client: Client) -> None:
@@ -941,19 +934,13 @@ async def test_a_quick_batch_refused_fails_its_calls_without_a_retry(client: Cli
 
 async def test_a_hung_quick_batch_times_out_and_goes_elsewhere(client: Client) -> None:
     hung, fine = FakeDerender(), FakeDerender()
-    pool, servers = await serve([hung, fine])
-    transport = BatchedDerender(client, pool, RetryPolicy(sleep=False), METRICS, Limits(5, 0.3))
-    try:
+    async with batched(client, [hung, fine], limits=Limits(5, 0.3)) as (transport, pool):
         await _warm(transport, 2)
         hung.hang = True
         answers = await asyncio.gather(*(transport.stream(call(t)) for t in (1, 2)))
         assert [_content(a) for a in answers] == ["1", "2"]
         assert transport.sockets.ready(pool.workers[0]) is None  # the hung socket was dropped
         assert [w.in_flight for w in pool.workers] == [0, 0] and not transport.quick
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_a_socket_closed_under_a_quick_batch_fails_it_over(client: Client) -> None:
@@ -1014,11 +1001,9 @@ async def test_a_quick_batch_is_one_latency_over_its_tries(client: Client) -> No
     """A batch failed over is one observation of the hop (not one per try), and a hung one's
     covers its wait (not only the retry that answered)."""
     failing, fine = FakeDerender(), FakeDerender()
-    pool, servers = await serve([failing, fine])
     metrics = ProxyMetrics()
-    policy = RetryPolicy(sleep=False)
-    transport = BatchedDerender(client, pool, policy, metrics, Limits(5, 0.3))
-    try:
+    fakes = [failing, fine]
+    async with batched(client, fakes, limits=Limits(5, 0.3), metrics=metrics) as (transport, _):
         await _warm(transport, 2)
         before, _ = _hop_count(metrics)
         failing.fail_once = True
@@ -1030,10 +1015,6 @@ async def test_a_quick_batch_is_one_latency_over_its_tries(client: Client) -> No
         await asyncio.gather(*(transport.stream(call(t)) for t in (3, 4)))
         count, total = _hop_count(metrics)
         assert count - after == 2 and total - waited >= 0.3  # the hung one's wait is in it
-    finally:
-        await transport.close()
-        for s in servers:
-            await s.close()
 
 
 async def test_a_bug_in_a_quick_batchs_callback_is_its_calls_answer(
