@@ -178,10 +178,9 @@ def _run(command: list[str], log: Path, timeout: float) -> None:
         try:
             status = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _interrupt(proc)
             raise BenchFailed(f"timed out after {timeout:g} s (log: {log})") from None
         finally:
-            _interrupt(proc)  # we were interrupted ourselves: the bench stops its servers
+            _interrupt(proc)  # timed out, or we were interrupted: the bench stops its servers
     if status != 0:
         raise BenchFailed(f"exit status {status}: {_last_line(log)} (log: {log})")
 
