@@ -30,6 +30,7 @@ from tokenline.launch.bench import (
     cores,
     cpu,
     double,
+    hop,
     instructions,
     lineup,
     load,
@@ -288,24 +289,26 @@ def test_vllm_run_checks_proxy_and_derender_cpu_per_token() -> None:
     assert "goal proxy + derender <= 80 us CPU per output token: met (80.0 us)" in markdown(result)
 
 
-def test_a_tokenline_point_says_how_full_its_derender_batches_were() -> None:
-    """The proxy's batches over a point's slices (scraped around each slice), in the point and
-    on the report's per-process line; a target without them has neither."""
+def test_a_tokenline_point_says_how_full_its_derender_batches_were_and_what_its_hops_took() -> None:
+    """The proxy's counters over a point's slices (scraped around each slice), in the point and
+    on the report's per-process line; a target without them has none."""
     slices = []
-    for chunks, batches in ((300.0, 20.0), (100.0, 10.0)):
+    for chunks, batches, render_s in ((300.0, 20.0, 0.03), (100.0, 10.0, 0.05)):
         p = Point("tokenline", 16, 1.0, [Sample(0.01, [0.001] * 3, 0.1, 4, True)])
-        p.batches = (chunks, batches)
+        p.proxy = dict.fromkeys(hop.PROXY_COUNTERS, 0.0)
+        p.proxy |= {"chunks": chunks, "batches": batches, "render_s": render_s, "renders": 10.0}
         slices.append((p, cpu.Split(0.5, 1.0, (("bench-proxy", 0.3), ("bench-derender", 0.2)))))
     front = [Process("x", ["true"], 0)]
     point = pipeline._point(lineup.Running(OpenAITarget("tokenline", "u"), front, None), slices)
     assert point["chunks_per_batch"] == pytest.approx(400.0 / 30.0)
+    assert point["render_hop_ms"] == pytest.approx(4.0)
+    assert "derender_hop_ms" not in point  # no derender call counted: no mean made up
     result = {"mode": "vllm", "load": "c", "duration_s": 1.0, "points": [point]}
-    assert "13.3 stream chunks per derender batch" in markdown(result)
+    assert "13.3 stream chunks per derender batch; render call mean 4.00 ms" in markdown(result)
     for p, _ in slices:
-        p.batches = (0.0, 0.0)
-    assert "chunks_per_batch" not in pipeline._point(
-        lineup.Running(OpenAITarget("monolithic", "u"), [], None), slices
-    )
+        p.proxy = {}
+    point = pipeline._point(lineup.Running(OpenAITarget("monolithic", "u"), [], None), slices)
+    assert "chunks_per_batch" not in point and "render_hop_ms" not in point
 
 
 def test_report_names_a_skipped_target(tmp_path: Path) -> None:

@@ -23,15 +23,33 @@ import aiohttp
 
 from tokenline.launch import servers
 from tokenline.launch.bench import cpu
-from tokenline.launch.bench.metrics import scrape, total
+from tokenline.launch.bench.metrics import HOP, scrape, total
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
+
+BATCH_ITEMS = "tokenline_proxy_derender_batch_items"
+PROXY_COUNTERS = {
+    "chunks": (BATCH_ITEMS + "_sum", ""),
+    "batches": (BATCH_ITEMS + "_count", ""),
+    "render_s": (HOP + "_sum", 'hop="render"'),
+    "renders": (HOP + "_count", 'hop="render"'),
+    "derender_s": (HOP + "_sum", 'hop="derender"'),
+    "derenders": (HOP + "_count", 'hop="derender"'),
+}
+"""What the benches read of a proxy's metrics: the stream chunks it sent to derender and in how
+many batches, and the time its render and derender calls took (seconds, and how many)."""
+
+
+def proxy_counters(url: str) -> dict[str, float]:
+    """The proxy's `PROXY_COUNTERS` so far."""
+    page = scrape(url)
+    return {key: total(page, name, label) for key, (name, label) in PROXY_COUNTERS.items()}
 
 
 def batch_items(url: str) -> tuple[float, float]:
     """The proxy's derender batches so far: (items, batches)."""
-    page, name = scrape(url), "tokenline_proxy_derender_batch_items"
-    return total(page, name + "_sum"), total(page, name + "_count")
+    counters = proxy_counters(url)
+    return counters["chunks"], counters["batches"]
 
 
 async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: bool) -> int:

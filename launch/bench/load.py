@@ -87,8 +87,8 @@ class Point:
     concurrency: int
     seconds: float
     samples: list[Sample] = field(default_factory=list)
-    batches: tuple[float, float] = (0.0, 0.0)
-    """tokenline's: the stream chunks its proxy sent to derender, and in how many batches."""
+    proxy: dict[str, float] = field(default_factory=dict)
+    """tokenline's: its proxy's counters over the point (`hop.PROXY_COUNTERS`)."""
 
     def _pct(self, xs: list[float], q: float) -> float:
         xs = sorted(xs)

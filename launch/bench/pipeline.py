@@ -134,7 +134,7 @@ def _slice(
     request on, and the CPU its parts used."""
     label = f"{running.target.name} {mode}={level:g}"
     target = running.target
-    batched = _batches(running)
+    counted = _proxy_counters(running)
     before = cpu.sample(running.front, running.server)
     point: Point
     if mode == "rate":
@@ -143,18 +143,17 @@ def _slice(
     else:
         point = asyncio.run(closed_loop(target, mix, int(level), duration, label, first))
     used = cpu.sample(running.front, running.server) - before
-    if batched is not None and (after := _batches(running)) is not None:
-        point.batches = (after[0] - batched[0], after[1] - batched[1])
+    if counted is not None and (after := _proxy_counters(running)) is not None:
+        point.proxy = {key: after[key] - counted[key] for key in counted}
     return point, used
 
 
-def _batches(running: lineup.Running) -> tuple[float, float] | None:
-    """tokenline's derender batches so far (chunks, batches), from its proxy's metrics; None
-    for any other target."""
+def _proxy_counters(running: lineup.Running) -> dict[str, float] | None:
+    """tokenline's proxy counters so far (`hop.PROXY_COUNTERS`); None for any other target."""
     target = running.target
     if target.name != "tokenline" or not isinstance(target, OpenAITarget):
         return None
-    return hop.batch_items(target.url)
+    return hop.proxy_counters(target.url)
 
 
 def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> dict[str, Any]:
@@ -166,15 +165,27 @@ def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> di
     used = sum((u for _, u in slices), start=cpu.Split())
     summary = point.summary()
     tokens = int(summary["output_tokens"])
-    chunks = sum(p.batches[0] for p, _ in slices)
-    batches = sum(p.batches[1] for p, _ in slices)
+    counted = {key: sum(p.proxy.get(key, 0.0) for p, _ in slices) for key in hop.PROXY_COUNTERS}
     return {
         "target": point.target,
         "level": point.concurrency,
         **summary,
         **cpu.per_token(used, tokens, has_front=bool(running.front)),
-        **({"chunks_per_batch": chunks / batches} if batches else {}),
+        **_proxy_means(counted),
     }
+
+
+def _proxy_means(counted: dict[str, float]) -> dict[str, float]:
+    """Chunks per derender batch and the mean render and derender call, where there were any."""
+    means = {}
+    for key, total, count, scale in (
+        ("chunks_per_batch", "chunks", "batches", 1.0),
+        ("render_hop_ms", "render_s", "renders", 1000.0),
+        ("derender_hop_ms", "derender_s", "derenders", 1000.0),
+    ):
+        if counted[count]:
+            means[key] = counted[total] / counted[count] * scale
+    return means
 
 
 def measure(

@@ -60,7 +60,12 @@ def _front_parts(target: str, point: dict[str, Any]) -> str | None:
     each = ", ".join(f"{name} {us:.0f}" for name, us in parts.items())
     batches = point.get("chunks_per_batch")
     per_batch = f"; {batches:.1f} stream chunks per derender batch" if batches else ""
-    return f"{target} front end CPU us/tok by process: {each}{per_batch}  "
+    hops = "".join(
+        f"; {name} call mean {point[key]:.2f} ms"
+        for name, key in (("render", "render_hop_ms"), ("derender", "derender_hop_ms"))
+        if key in point
+    )
+    return f"{target} front end CPU us/tok by process: {each}{per_batch}{hops}  "
 
 
 def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
