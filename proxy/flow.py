@@ -55,6 +55,11 @@ the proxy passed on unread (`StreamFlow.passed_on`), only what the proxy needs o
 StreamAnswer = Any
 """`RawStreamAnswer`, or a decoded `DerenderChatStreamResponse` /
 `DerenderCompletionStreamResponse` (binary transports)."""
+FINISHED = b'"finish_reason":"'
+"""In a generate chunk passed on unread: a choice ends with it (vLLM writes `"finish_reason":null`
+in every other chunk). Its call goes at once (`StreamCall.urgent`): the client's next request
+waits for this answer, and so does the engine's slot. A chunk written otherwise only loses the
+hurry, never its answer."""
 PREFILL_PARAMS = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -355,7 +360,8 @@ class StreamCall(msgspec.Struct, frozen=True, gc=False):
     offset: int = 0
     urgent: bool = False
     """Goes at once, without waiting for other streams' calls (a batched transport sends what
-    it has): the client waits for this call alone (P/D's first token, `proxy/early.py`)."""
+    it has): the client waits for this call alone (P/D's first token, `proxy/early.py`), or
+    the choice's last chunk, whose answer ends the stream (`FINISHED`)."""
     prefix: bytes | None = None
     """A call passed on (`StreamFlow.passed_on`): its body for tokenline's derender up to the
     chunk, the same in every such call of the prompt (`lean_json`)."""
@@ -491,6 +497,7 @@ class StreamFlow:
         view = self.first_views[p] if first else self.view
         prompt_logprobs = self.prompt_logprobs.get(p) if first else None
         shaped = self._shaped(p, chunk, prompt_logprobs)
+        urgent = urgent or any(c.finish_reason is not None for c in chunk.choices)
         return self._stream_call(p, shaped, prog.state, view, urgent=urgent)
 
     def passed_on(self, p: int, payload: bytes) -> StreamCall | None:
@@ -510,8 +517,9 @@ class StreamFlow:
         ):
             return None
         raw, prefix = msgspec.Raw(payload), self.prefixes.get(p)
+        urgent = FINISHED in payload
         call = self._stream_call(
-            p, raw, prog.state, self.view, self.rendered.public_id, p * self.n, prefix=prefix
+            p, raw, prog.state, self.view, self.rendered.public_id, p * self.n, urgent, prefix
         )
         if prefix is None and isinstance(prog.state, msgspec.Raw):  # JSON: the batched transport
             fields = call.fields(msgspec.Raw(self.view.lean), lean=True)

@@ -292,6 +292,21 @@ def test_a_chunk_passed_on_carries_the_streams_id_and_index_for_derender_to_show
     assert several.passed_on(0, payload) is None  # only streams of one choice
 
 
+def test_a_choices_last_chunk_is_derendered_at_once() -> None:
+    """The call for a chunk that ends its choice is urgent (the batched transport sends it
+    without waiting for other streams): the client's next request, and the engine's slot,
+    wait for its answer. A chunk in the middle waits for its batch."""
+    flow = stream_flow(n=1, prompts=1)
+    middle, last = chunk(0, [7]), chunk(0, [9], finish="length")
+    assert not flow.call(0, middle).urgent
+    assert flow.call(0, last).urgent
+    raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(1, "a")))
+    flow.accept(0, middle.choices[0], raw)
+    assert b'"finish_reason":null' in JSON.encode(middle)  # as vLLM writes it
+    assert not flow.passed_on(0, JSON.encode(middle)).urgent
+    assert flow.passed_on(0, JSON.encode(last)).urgent
+
+
 def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7])
