@@ -271,6 +271,16 @@ class SseEvents:
         """`[DONE]` came: nothing after it counts."""
 
     def feed(self, data: bytes) -> list[bytes]:
+        if (
+            not self.tail
+            and data.startswith(b"data: {")
+            and data.endswith(b"}\n\n")
+            and data.count(b"\n") == 2
+        ):  # a stream's usual read: one whole event, one JSON chunk (what `_lines` makes of it)
+            return [data[6:-2]]
+        return self._lines(data)
+
+    def _lines(self, data: bytes) -> list[bytes]:
         lines = (self.tail + data).split(b"\n")
         self.tail = lines.pop()
         if len(self.tail) > SSE_LINE_LIMIT:
