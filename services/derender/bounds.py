@@ -82,11 +82,11 @@ def check_choice(c: Choice, tok: ModelTokenizer, s: DerenderSettings, whole: boo
             param="logprobs",
         )
     limit = s.max_logprobs + 2  # candidates an entry may hold
-    if not _logprobs_fit(content, limit, tok):
+    if not logprobs_fit(content, limit, tok):
         _check_logprob_entries(content, limit, c.index, tok, s)
 
 
-def _logprobs_fit(content: list[GenerateLogProbsContent], limit: int, tok: ModelTokenizer) -> bool:
+def logprobs_fit(content: list[GenerateLogProbsContent], limit: int, tok: ModelTokenizer) -> bool:
     """Every entry within bounds (the common case, checked in one plain loop: a chunk has a
     token or a few); False sends the entries through `_check_logprob_entries`, which names
     the first fault."""

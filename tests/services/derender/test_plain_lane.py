@@ -97,6 +97,19 @@ def item(
     case: dict[str, Any], n: int, state: Any, tok: ModelTokenizer, forge: dict[str, Any]
 ) -> Any:
     """Chunk `n` of the stream as a batch item, on `state` (with `forge`'s fields over it)."""
+    return decoded(case["kind"], body(case, n, state, tok, forge))
+
+
+def decoded(kind: str, call: dict[str, Any]) -> Any:
+    """A call's body as a batch item."""
+    batch = KINDS[kind].derender_batch_json  # type: ignore[index]
+    return batch.decode(JSON.encode({"requests": [call]})).requests[0]
+
+
+def body(
+    case: dict[str, Any], n: int, state: Any, tok: ModelTokenizer, forge: dict[str, Any]
+) -> dict[str, Any]:
+    """`item`'s body."""
     ids = case["chunks"][n]
     last = n == len(case["chunks"]) - 1
     choice: dict[str, Any] = {
@@ -111,7 +124,7 @@ def item(
     if case["usage"] and last:
         chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
     wire = None if state is None else {**msgspec.to_builtins(state), **forge}
-    body = {
+    return {
         "stream": True,
         "model": "m",
         "prompt_token_ids": case["prompt"] if n == 0 else None,
@@ -121,8 +134,6 @@ def item(
         "chunk_id": case["chunk_id"],
         "choice_offset": case["offset"],
     }
-    kind = KINDS[case["kind"]]  # type: ignore[index]
-    return kind.derender_batch_json.decode(JSON.encode({"requests": [body]})).requests[0]
 
 
 def outcome(answer: Any, req: Any, tok: ModelTokenizer, s: DerenderSettings) -> Any:
@@ -281,3 +292,47 @@ def test_an_empty_stop_string_is_refused(tiny_tok: ModelTokenizer) -> None:
             assert refused.value.param == "stop", (n, stop)
             assert refused.value.message == "stop cannot contain an empty string.", (n, stop)
         state = general(item(case, n, state, tiny_tok, {}), tiny_tok, SETTINGS).stream_state
+
+
+def _too_many_candidates(call: dict[str, Any]) -> None:
+    entry = call["generate_chunk"]["choices"][0]["logprobs"]["content"][0]
+    entry["top_logprobs"] = entry["top_logprobs"] * (SETTINGS.max_logprobs + 3)
+
+
+FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # where in the body (the call, its generate choice, its state), and what goes there
+    "unserved model": ("call", {"model": "other"}),
+    "prompt ID outside": ("call", {"prompt_token_ids": [1, 10**6]}),
+    "token outside": ("choice", {"token_ids": [10**6]}),
+    "too many tokens": ("choice", {"token_ids": [5] * (SETTINGS.max_model_len + 1)}),
+    "more entries than tokens": ("choice", {"token_ids": [7]}),
+    "held ID outside": ("state", {"detok_ids": [10**6], "detok_prefix": 1}),
+    "context ID outside": ("state", {"logprob_context_token_ids": [10**6]}),
+    "prefix past window": ("state", {"detok_ids": [5], "detok_prefix": 2}),
+    "window too long": ("state", {"detok_ids": [5] * 70, "detok_prefix": 0}),
+    "tail too long": ("state", {"stop_tail": "x" * 70_000}),
+}
+
+
+@pytest.mark.parametrize("kind", list(PLAIN_REQUESTS))
+@pytest.mark.parametrize("fault", [*FAULTS, "too many candidates"])
+def test_a_plain_call_out_of_bounds_is_refused_as_the_general_path_refuses_it(
+    tiny_tok: ModelTokenizer, kind: str, fault: str
+) -> None:
+    """Each bound the lane tests in one pass (`plain._fits`), broken alone on a chunk the lane
+    answers: the lane refuses it with the general path's error."""
+    case = {**_case([[5, 6], [7, 8]]), "kind": kind, "request": PLAIN_REQUESTS[kind][0]}
+    case.update(with_logprobs=True, tops=1)
+    first = general(item(case, 0, None, tiny_tok, {}), tiny_tok, SETTINGS)
+    call = body(case, 1, first.stream_state, tiny_tok, {})
+    assert plain_answer(decoded(kind, call), tiny_tok, SETTINGS) is not None
+    if fault == "too many candidates":
+        _too_many_candidates(call)
+    else:
+        where, fields = FAULTS[fault]
+        place = {"call": call, "choice": call["generate_chunk"]["choices"][0]}
+        place.get(where, call["stream_state"]).update(fields)
+    req = decoded(kind, call)
+    expected = outcome(general, req, tiny_tok, SETTINGS)
+    assert isinstance(expected, tuple), expected
+    assert outcome(plain_answer, req, tiny_tok, SETTINGS) == expected
