@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenline.services.derender.texts import TokenTexts, token_texts
+from tokenline.services.derender.texts import REPLACEMENT, TokenTexts, token_texts
 from tokenline.shared.limits import DETOK_MAX_WINDOW, DETOK_PROMPT_SEED, DETOK_STATE_IDS
 from tokenline.shared.tokenizer import ModelTokenizer
 
@@ -82,12 +82,15 @@ class Detokenizer:
             state.ids, state.prefix = [token_id], 1
             return own
         ids = [*state.ids, token_id]
-        prefix_text, text = self.texts.decode_split(ids, state.prefix, self.skip_special_tokens)
-        pending = len(text) <= len(prefix_text) or text.endswith("\ufffd")
-        if pending and len(ids) - state.prefix < DETOK_MAX_WINDOW:
-            cut = max(0, len(ids) - DETOK_STATE_IDS)
-            state.ids, state.prefix = ids[cut:], state.prefix - cut
-            return ""
+        texts, skip = self.texts, self.skip_special_tokens
+        text = texts.decode(ids, skip)
+        # a window ending in a cut character is held back whatever its emitted part decodes
+        # to: that decode waits for a window that may show (most windows of cut characters)
+        if text.endswith(REPLACEMENT) and len(ids) - state.prefix < DETOK_MAX_WINDOW:
+            return self._hold(ids)
+        prefix_text = texts.decode(ids[: state.prefix], skip)
+        if len(text) <= len(prefix_text) and len(ids) - state.prefix < DETOK_MAX_WINDOW:
+            return self._hold(ids)
         if not text.startswith(prefix_text):
             # DecodeStream's "invalid prefix": vLLM restarts the stream from this token alone.
             state.ids, state.prefix = [], 0
@@ -95,3 +98,11 @@ class Detokenizer:
         new_window = ids[state.prefix :]
         state.ids, state.prefix = new_window, len(new_window)
         return text[len(prefix_text) :]
+
+    def _hold(self, ids: list[int]) -> str:
+        """`ids` (the window with the new token) all held back; the emitted part cut from the
+        left past `DETOK_STATE_IDS`."""
+        state = self.state
+        cut = max(0, len(ids) - DETOK_STATE_IDS)
+        state.ids, state.prefix = ids[cut:], state.prefix - cut
+        return ""

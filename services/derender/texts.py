@@ -59,39 +59,27 @@ class TokenTexts:
     """`own_text`'s cache, bounded by the vocabulary (the detokenizer asks it for every
     token)."""
 
+    bytes_of: Callable[[int], bytes] = field(init=False)
+    """The byte table's lookup, typed as if every entry were bytes: an added token's None fails
+    the join that follows (TypeError), an ID past the table the lookup (IndexError). (Kept
+    bound: every window decode runs it.)"""
+
+    def __post_init__(self) -> None:
+        self.bytes_of = cast(list[bytes], self.plain).__getitem__
+
     @classmethod
     def of(cls, tok: ModelTokenizer) -> TokenTexts:
         byte_level = isinstance(tok.rust.decoder, ByteLevel)
         added = frozenset(tok.added_tokens)
         return cls(tok, byte_level, added, _token_bytes(tok, added) if byte_level else [])
 
-    @property
-    def _bytes_of(self) -> Callable[[int], bytes]:
-        """The table's lookup, typed as if every entry were bytes: an added token's None fails
-        the join that follows (TypeError), an ID past the table the lookup (IndexError)."""
-        return cast(list[bytes], self.plain).__getitem__
-
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         """`tok.decode(ids, skip_special_tokens)`, from the byte table when every ID is a
         plain byte-level token (then skipping special tokens changes nothing)."""
         try:
-            return b"".join(map(self._bytes_of, ids)).decode("utf-8", "replace")
+            return b"".join(map(self.bytes_of, ids)).decode("utf-8", "replace")
         except (IndexError, TypeError):  # an ID past the table, or an added token's None
             return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def decode_split(
-        self, ids: list[int], prefix: int, skip_special_tokens: bool
-    ) -> tuple[str, str]:
-        """`decode(ids[:prefix])` and `decode(ids)`, each token's bytes looked up once (the
-        detokenizer's window, against its emitted part)."""
-        try:
-            parts = list(map(self._bytes_of, ids))
-            head = b"".join(parts[:prefix])
-            whole = head + b"".join(parts[prefix:])
-        except (IndexError, TypeError):  # as in `decode`: the tokenizer decodes this window
-            skip = skip_special_tokens
-            return self.decode(ids[:prefix], skip), self.decode(ids, skip)
-        return head.decode("utf-8", "replace"), whole.decode("utf-8", "replace")
 
     def corrected(self, token_id: int, context: Sequence[int]) -> str | None:
         """`logprobs.correct_decoded_token` from the byte table (its windows are joins of

@@ -76,22 +76,6 @@ def test_window_decodes_equal_the_tokenizers(tok: ModelTokenizer, data: Any, ski
 
 
 @settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(data=st.data(), skip=st.booleans())
-def test_split_decodes_equal_the_two_window_decodes(
-    tok: ModelTokenizer, data: Any, skip: bool
-) -> None:
-    ids = data.draw(windows(tok))
-    prefix = data.draw(st.integers(0, len(ids)))
-    texts = token_texts(tok)
-    assert texts.decode_split(ids, prefix, skip) == (
-        texts.decode(ids[:prefix], skip),
-        texts.decode(ids, skip),
-    )
-
-
-@settings(
     max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
