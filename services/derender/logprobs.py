@@ -109,11 +109,11 @@ class LogprobResolver:
     ) -> list[ChatLogprob]:
         """`top`: how many candidates to show (None: all; 0: none), the first ones in order."""
         out = []
-        known = self.known
+        known, repaired, context = self.known, self.repaired, self.context
         for e in entries:
             tops = e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]
-            # `_decoded` and `_top` inline for a token that shows the same in any context (the
-            # usual one): this loop runs for every candidate of every token
+            # `_decoded`, `_top` and `_advance` inline for a token that shows the same in any
+            # context (the usual one): this loop runs for every candidate of every token
             sampled = known.get(e.token_id) or self._decoded(e.token_id)
             alts = []
             for t in tops:
@@ -124,7 +124,11 @@ class LogprobResolver:
                     token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
                 )
             )
-            self._advance(e.token_id)
+            if repaired:
+                repaired.clear()
+            context.append(e.token_id)
+            if len(context) > LOGPROB_CONTEXT:
+                del context[0]
         return out
 
     def _top(self, t: GenerateLogProb) -> TopLogprob:
