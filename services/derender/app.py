@@ -183,14 +183,9 @@ def _items_now(kind: Kind, body: bytes) -> list[Any] | None:
 def _answers_now(state: DerenderState, kind: Kind, items: list[Any]) -> list[Any] | None:
     """`_batch_answers`, on this thread, when every item is a small stream chunk (the usual
     batch: a task per frame cost more than a chunk's derender); None when one is not."""
-    tokens = 0
-    for req in items:
-        if not req.stream:  # (`_tokens` reads a stream call's one chunk)
-            return None
-        n = _tokens(req)
-        if not _inline(req, n):
-            return None
-        tokens += n
+    tokens = _small_chunks_tokens(items)
+    if tokens is None:
+        return None
     pieces = PIECES[kind.name]
     answers: list[Any] = []
     for req in items:
@@ -200,6 +195,27 @@ def _answers_now(state: DerenderState, kind: Kind, items: list[Any]) -> list[Any
             answers.append(as_service_error(exc).to_wire())
     state.count(len(items), tokens)
     return answers
+
+
+def _small_chunks_tokens(items: list[Any]) -> int | None:
+    """The output tokens of a batch whose every item is a small stream chunk (`_inline`); None
+    when one is not. (`_tokens` inline for a stream chunk's choices: this runs per item.)"""
+    tokens = 0
+    for req in items:
+        if not req.stream:
+            return None
+        chunk = req.generate_chunk
+        if chunk is None:  # refused when answered; counted as `_tokens` counts it
+            n = _tokens(req)
+        else:
+            n = 0
+            for c in chunk.choices:
+                if c.token_ids:
+                    n += len(c.token_ids)
+        if n > INLINE_TOKENS:
+            return None
+        tokens += n
+    return tokens
 
 
 async def _batch_answers(state: DerenderState, kind: Kind, items: list[Any]) -> list[Any]:
