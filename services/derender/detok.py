@@ -84,13 +84,17 @@ class Detokenizer:
         ids = [*state.ids, token_id]
         texts, skip = self.texts, self.skip_special_tokens
         text = texts.decode(ids, skip)
+        room = len(ids) - state.prefix < DETOK_MAX_WINDOW
         # a window ending in a cut character is held back whatever its emitted part decodes
         # to: that decode waits for a window that may show (most windows of cut characters)
-        if text.endswith(REPLACEMENT) and len(ids) - state.prefix < DETOK_MAX_WINDOW:
-            return self._hold(ids)
-        prefix_text = texts.decode(ids[: state.prefix], skip)
-        if len(text) <= len(prefix_text) and len(ids) - state.prefix < DETOK_MAX_WINDOW:
-            return self._hold(ids)
+        held = text.endswith(REPLACEMENT)
+        if not (held and room):
+            prefix_text = texts.decode(ids[: state.prefix], skip)
+            held = held or len(text) <= len(prefix_text)
+        if held and room:
+            cut = max(0, len(ids) - DETOK_STATE_IDS)  # the emitted part cut from the left
+            state.ids, state.prefix = ids[cut:], state.prefix - cut
+            return ""
         if not text.startswith(prefix_text):
             # DecodeStream's "invalid prefix": vLLM restarts the stream from this token alone.
             state.ids, state.prefix = [], 0
@@ -98,11 +102,3 @@ class Detokenizer:
         new_window = ids[state.prefix :]
         state.ids, state.prefix = new_window, len(new_window)
         return text[len(prefix_text) :]
-
-    def _hold(self, ids: list[int]) -> str:
-        """`ids` (the window with the new token) all held back; the emitted part cut from the
-        left past `DETOK_STATE_IDS`."""
-        state = self.state
-        cut = max(0, len(ids) - DETOK_STATE_IDS)
-        state.ids, state.prefix = ids[cut:], state.prefix - cut
-        return ""

@@ -81,14 +81,17 @@ def completion_candidates(entry: GenerateLogProbsContent, k: int | None) -> list
 
 
 class LogprobResolver:
-    """Resolves one choice's logprob entries, carrying the sampled-ID context."""
+    """Resolves one choice's logprob entries, carrying the sampled-ID context (a plain class
+    with slots: one is built per chunk)."""
+
+    __slots__ = ("context", "known", "repaired", "tok")
 
     def __init__(self, tok: ModelTokenizer, context: Sequence[int]) -> None:
         self.tok = tok
         self.known = token_texts(tok).decoded
         self.context = list(context[-LOGPROB_CONTEXT:])
         self.repaired: dict[int, Decoded] = {}
-        """This position's repaired tokens: the sampled one is often among its candidates."""
+        # this position's repaired tokens: the sampled one is often among its candidates
 
     def _decoded(self, token_id: int) -> Decoded:
         found = self.known.get(token_id)  # a token that shows the same in any context

@@ -58,7 +58,8 @@ def plain_answer(
     # the tokens' text, by the detokenizer as the general path runs it without stop strings
     detok = DetokState(wire.detok_ids, wire.detok_prefix, wire.last_special)
     skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
-    text = "".join(map(Detokenizer(tok, skip, spaces, detok).feed, ids))
+    feed = Detokenizer(tok, skip, spaces, detok).feed
+    text = feed(ids[0]) if len(ids) == 1 else "".join(map(feed, ids))  # (one: the usual chunk)
     shown = c.index + req.choice_offset, ids, text
     context, offset = wire.logprob_context_token_ids, wire.logprob_text_offset
     choice, offset = (
