@@ -80,6 +80,43 @@ def completion_candidates(entry: GenerateLogProbsContent, k: int | None) -> list
     ]
 
 
+def chat_logprobs_of(
+    tok: ModelTokenizer,
+    context: Sequence[int],
+    entries: Sequence[GenerateLogProbsContent],
+    top: int | None,
+) -> list[ChatLogprob]:
+    """`LogprobResolver(tok, context).chat(entries, top)`; without a resolver when every token
+    shows the same in any context (`known_chat_logprobs`: a chunk's usual entries)."""
+    known = known_chat_logprobs(token_texts(tok).decoded, entries, top)
+    return known if known is not None else LogprobResolver(tok, context).chat(entries, top)
+
+
+def known_chat_logprobs(
+    known: dict[int, Decoded | None], entries: Sequence[GenerateLogProbsContent], top: int | None
+) -> list[ChatLogprob] | None:
+    """The entries as `LogprobResolver.chat` shows them, when `known` (`TokenTexts.decoded`)
+    holds every token's text (None: one needs the sampled IDs before it, or is not cached yet;
+    a resolver then finds it). Building no resolver cost more than a tenth of a plain chunk."""
+    out = []
+    for e in entries:
+        sampled = known.get(e.token_id)
+        if sampled is None:
+            return None
+        alts = []
+        for t in e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]:
+            d = known.get(t.token_id)
+            if d is None:
+                return None
+            alts.append(TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes))
+        out.append(
+            ChatLogprob(
+                token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
+            )
+        )
+    return out
+
+
 class LogprobResolver:
     """Resolves one choice's logprob entries, carrying the sampled-ID context (a plain class
     with slots: one is built per chunk)."""
