@@ -53,8 +53,8 @@ def plain_answer(
     c = chunk.choices[0]
     model = _checked_model(req, c, tok, s)
     ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_plain_client`
-    content = c.logprobs.content if c.logprobs is not None else None
-    entries = content[: len(ids)] if content is not None else None
+    # (the bounds hold the entries to the tokens: no slice needed)
+    entries = c.logprobs.content if c.logprobs is not None else None
     # the tokens' text, by the detokenizer as the general path runs it without stop strings
     detok = DetokState(wire.detok_ids, wire.detok_prefix, wire.last_special)
     skip, spaces = client.skip_special_tokens, client.spaces_between_special_tokens
