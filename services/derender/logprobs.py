@@ -97,7 +97,8 @@ def known_chat_logprobs(
 ) -> list[ChatLogprob] | None:
     """The entries as `LogprobResolver.chat` shows them, when `known` (`TokenTexts.decoded`)
     holds every token's text (None: one needs the sampled IDs before it, or is not cached yet;
-    a resolver then finds it). Building no resolver cost more than a tenth of a plain chunk."""
+    a resolver then finds it). A resolver built per chunk cost more than a tenth of a plain
+    chunk's derender."""
     out = []
     for e in entries:
         sampled = known.get(e.token_id)

@@ -113,7 +113,7 @@ def _fits(
     wire, chunk = req.stream_state, req.generate_chunk
     assert wire is not None and chunk is not None  # `_plain_client`
     ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_plain_client`: some
-    held, context, vocab = wire.detok_ids, wire.logprob_context_token_ids, tok.vocab_size
+    window, context, vocab = wire.detok_ids, wire.logprob_context_token_ids, tok.vocab_size
     if (
         (req.model and req.model not in s.served_model_names)
         or req.prompt_token_ids is not None
@@ -122,9 +122,9 @@ def _fits(
         or wire.stop_tail
         or len(ids) > s.max_model_len
         or max(ids) >= vocab
-        or wire.detok_prefix > len(held)
-        or len(held) - wire.detok_prefix >= DETOK_MAX_WINDOW
-        or (held and max(held) >= vocab)
+        or wire.detok_prefix > len(window)
+        or len(window) - wire.detok_prefix >= DETOK_MAX_WINDOW
+        or (window and max(window) >= vocab)
         or (context and max(context) >= vocab)
     ):
         return False
