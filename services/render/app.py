@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
-from tokenline.services.render import malloc, tokenize, worker
+from tokenline.services.render import tokenize, worker
 from tokenline.services.render.config import RenderConfig
 from tokenline.services.render.render import RenderSettings
 from tokenline.services.render.tools import ToolFlags
@@ -94,7 +94,6 @@ def _start_threads(
 
 async def executor_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
-    malloc.tune_for_tokenizing()  # the process's allocator; worker processes inherit or set it
     tok = await asyncio.to_thread(ModelTokenizer.load, config.model, config.chat_template)
     settings = settings_for(config, tok)
     if config.executor == "process":
