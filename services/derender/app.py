@@ -199,20 +199,13 @@ def _answers_now(state: DerenderState, kind: Kind, items: list[Any]) -> list[Any
 
 def _small_chunks_tokens(items: list[Any]) -> int | None:
     """The output tokens of a batch whose every item is a small stream chunk (`_inline`); None
-    when one is not. (`_tokens` inline for a stream chunk's choices: this runs per item.)"""
+    when one is not."""
     tokens = 0
     for req in items:
-        if not req.stream:
+        if not req.stream:  # (`_tokens` reads a stream call's one chunk)
             return None
-        chunk = req.generate_chunk
-        if chunk is None:  # refused when answered; counted as `_tokens` counts it
-            n = _tokens(req)
-        else:
-            n = 0
-            for c in chunk.choices:
-                if c.token_ids:
-                    n += len(c.token_ids)
-        if n > INLINE_TOKENS:
+        n = _tokens(req)
+        if not _inline(req, n):
             return None
         tokens += n
     return tokens
