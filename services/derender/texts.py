@@ -59,7 +59,7 @@ class TokenTexts:
     """`own_text`'s cache, bounded by the vocabulary (the detokenizer asks it for every
     token)."""
 
-    bytes_of: Callable[[int], bytes] = field(init=False)
+    bytes_of: Callable[[int], bytes] = field(init=False, repr=False, compare=False)
     """The byte table's lookup, typed as if every entry were bytes: an added token's None fails
     the join that follows (TypeError), an ID past the table the lookup (IndexError). (Kept
     bound: every window decode runs it.)"""

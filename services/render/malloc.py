@@ -11,7 +11,10 @@ long prompts). Keeping a bounded slack instead cut the render service's CPU per 
 from __future__ import annotations
 
 import ctypes
+import logging
 import platform
+
+log = logging.getLogger(__name__)
 
 # mallopt(3) parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -30,8 +33,12 @@ SETTINGS = {
 
 
 def tune_for_tokenizing() -> bool:
-    """Apply `SETTINGS` where the C library is glibc; False (nothing changed) elsewhere."""
+    """Apply `SETTINGS` where the C library is glibc (each one tried, a refused one logged);
+    False: one was refused, or the C library is not glibc (nothing to tune)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    return all(libc.mallopt(param, value) == 1 for param, value in SETTINGS.items())
+    refused = [param for param, value in SETTINGS.items() if libc.mallopt(param, value) != 1]
+    for param in refused:
+        log.warning("render.malloc refused mallopt(%d, %d)", param, SETTINGS[param])
+    return not refused

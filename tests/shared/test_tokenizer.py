@@ -125,4 +125,24 @@ def test_python_nfc_verdict_holds_for_the_tokenizers_tables(tiny_tok: ModelToken
         assert normalized == joined, f"differs near {joined[max(0, at - 4) : at + 4]!r}"
 
 
+def test_the_tokenizers_library_knows_no_character_python_does_not() -> None:
+    """The shortcut trusts Python's NFC verdict, so Python's Unicode tables must be at least
+    as new as the tokenizers library's: a character the library knows and Python does not
+    (a newer Unicode version on its side) could compose with its neighbours in the library
+    alone. Every code point Python leaves unassigned decomposes to itself there."""
+    from tokenizers.normalizers import NFD
+
+    nfd = NFD()
+    for start in range(0, 0x110000, PLANE):  # a plane at a time, as above
+        unassigned = "".join(
+            chr(cp) for cp in range(start, start + PLANE) if unicodedata.category(chr(cp)) == "Cn"
+        )
+        decomposed = nfd.normalize_str(unassigned)
+        at = next(
+            (i for i, (a, b) in enumerate(zip(decomposed, unassigned, strict=False)) if a != b),
+            -1,
+        )
+        assert decomposed == unassigned, f"the library knows U+{ord(unassigned[at]):04X}"
+
+
 PLANE = 0x10000
