@@ -6,6 +6,10 @@ glibc's defaults the heap top is handed back to the kernel after such a request 
 again by the next one, and buffers past the mmap threshold are mapped and unmapped each time:
 malloc, free and their page faults were ~35% of the tokenizer's CPU (perf, the render bench's
 long prompts). Keeping a bounded slack instead cut the render service's CPU per request ~6%.
+
+The slack is per arena: the main one and, since glibc 2.26, each arena a tokenizing thread
+takes (`workers` threads) may keep up to the trim threshold plus the top pad free (~80 MiB
+each) rather than hand it back. A render process's memory limit should allow for it.
 """
 
 from __future__ import annotations
