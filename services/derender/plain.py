@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tokenline.services.derender.bounds import DerenderSettings
+from tokenline.services.derender.bounds import DerenderSettings, logprobs_fit
 from tokenline.services.derender.choice import ChoiceOptions, check_state
 from tokenline.services.derender.derender import DerenderRequest, checked_call
 from tokenline.services.derender.detok import Detokenizer, DetokState
 from tokenline.services.derender.logprobs import LogprobResolver, chat_logprobs_of
 from tokenline.services.derender.parts import chat_top
-from tokenline.shared.limits import LOGPROB_CONTEXT
+from tokenline.shared.limits import DETOK_MAX_WINDOW, LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     BatchStreamAnswer,
@@ -34,6 +34,7 @@ from tokenline.shared.wire import (
     DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbsContent,
+    GenerateStreamChoice,
 )
 
 NO_STOPS = ChoiceOptions()
@@ -50,7 +51,7 @@ def plain_answer(
     wire, chunk = req.stream_state, req.generate_chunk
     assert wire is not None and chunk is not None  # `_plain_client`
     c = chunk.choices[0]
-    model = _checked_model(req, tok, s)
+    model = _checked_model(req, c, tok, s)
     ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_plain_client`
     # (the bounds hold the entries to the tokens: no slice needed)
     entries = c.logprobs.content if c.logprobs is not None else None
@@ -90,13 +91,47 @@ def plain_answer(
     )
 
 
-def _checked_model(req: DerenderRequest, tok: ModelTokenizer, s: DerenderSettings) -> str:
-    """The model a plain call names, once the general checks hold its bounds (one copy of
-    them: a second, faster copy here saved ~1.5 us of a ~16 us item, and a bound added to
-    one copy alone would have gone unchecked on this lane)."""
+def _checked_model(
+    req: DerenderRequest, c: GenerateStreamChoice, tok: ModelTokenizer, s: DerenderSettings
+) -> str:
+    """The model a plain call names, once its bounds are checked: in one pass when the call
+    fits them (`_fits`), else by the general checks, which name the fault."""
+    if _fits(req, c, tok, s):
+        return req.model or s.served_model_names[0]  # `model_name`, for a name it serves
     model = checked_call(req, tok, s)[0]
     check_state(req.stream_state, tok, NO_STOPS)  # type: ignore[arg-type]  # `_plain_client`
     return model
+
+
+def _fits(
+    req: DerenderRequest, c: GenerateStreamChoice, tok: ModelTokenizer, s: DerenderSettings
+) -> bool:
+    """The usual plain call (no prompt IDs, no prompt logprobs, no stop tail) within every
+    bound `checked_call` and `check_state` hold it to, tested in one pass (the general checks
+    are a dozen calls, more than a tenth of a plain chunk's derender); False: any other call,
+    or one out of bounds, for those checks to pass or refuse."""
+    wire, chunk = req.stream_state, req.generate_chunk
+    assert wire is not None and chunk is not None  # `_plain_client`
+    ids: list[int] = c.token_ids  # type: ignore[assignment]  # `_plain_client`: some
+    window, context, vocab = wire.detok_ids, wire.logprob_context_token_ids, tok.vocab_size
+    if (
+        (req.model and req.model not in s.served_model_names)
+        or req.prompt_token_ids is not None
+        or chunk.prompt_token_ids is not None
+        or isinstance(chunk.prompt_logprobs, list)
+        or wire.stop_tail
+        or len(ids) > s.max_model_len
+        or max(ids) >= vocab
+        or wire.detok_prefix > len(window)
+        or len(window) - wire.detok_prefix >= DETOK_MAX_WINDOW
+        or (window and max(window) >= vocab)
+        or (context and max(context) >= vocab)
+    ):
+        return False
+    content = c.logprobs.content if c.logprobs is not None else None
+    if content is None:
+        return True
+    return len(content) <= len(ids) and logprobs_fit(content, s.max_logprobs + 2, tok)
 
 
 def _plain_client(

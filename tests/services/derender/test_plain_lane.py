@@ -319,8 +319,8 @@ FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
 def test_a_plain_call_out_of_bounds_is_refused_as_the_general_path_refuses_it(
     tiny_tok: ModelTokenizer, kind: str, fault: str
 ) -> None:
-    """Each bound of the general checks, broken alone on a chunk the lane answers: the lane
-    refuses it with the general path's error."""
+    """Each bound the lane tests in one pass (`plain._fits`), broken alone on a chunk the lane
+    answers: the lane refuses it with the general path's error."""
     case = {**_case([[5, 6], [7, 8]]), "kind": kind, "request": PLAIN_REQUESTS[kind][0]}
     case.update(with_logprobs=True, tops=1)
     first = general(item(case, 0, None, tiny_tok, {}), tiny_tok, SETTINGS)
