@@ -6,6 +6,8 @@ as the batch route decodes them (the client request read when asked for)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 from typing import Any
 
 import msgspec
@@ -13,11 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenline.services.derender import bounds, choice, derender
 from tokenline.services.derender.app import _counted
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.derender import PIECES, derender_stream
 from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.plain import plain_answer
+from tokenline.shared import served
 from tokenline.shared.errors import BadRequest, ServiceError
 from tokenline.shared.kinds import KINDS
 from tokenline.shared.tokenizer import ModelTokenizer
@@ -297,6 +301,38 @@ def test_an_empty_stop_string_is_refused(tiny_tok: ModelTokenizer) -> None:
 def _too_many_candidates(call: dict[str, Any]) -> None:
     entry = call["generate_chunk"]["choices"][0]["logprobs"]["content"][0]
     entry["top_logprobs"] = entry["top_logprobs"] * (SETTINGS.max_logprobs + 3)
+
+
+MIRRORED = (
+    derender.checked_call,
+    derender._checked_chunk,
+    derender._stream_prompt_ids,
+    bounds.model_name,
+    served.served_name,
+    bounds.check_prompt_ids,
+    bounds.check_choice,
+    bounds._check_ids,
+    bounds.logprobs_fit,
+    bounds._check_logprob_entries,
+    choice.check_state,
+    choice._check_windows,
+    choice._check_vocabulary,
+)
+"""The general checks `plain._fits` tests again in one pass."""
+MIRRORED_SOURCE = "675b9da9bcd048da"
+
+
+def test_the_general_checks_the_lane_mirrors_are_as_its_copy_knows_them() -> None:
+    """A tripwire: `plain._fits` is a second copy of these checks' bounds (one pass; the
+    general checks cost ~2 us of a plain item's ~8, measured at stop 42). A bound added to
+    them alone would go unchecked on the plain lane, so any change to their source fails
+    here: add the bound to `_fits` and to `FAULTS`, then pin the new digest."""
+    source = "".join(inspect.getsource(f) for f in MIRRORED)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert digest == MIRRORED_SOURCE, (
+        "the general checks changed: mirror the change in plain._fits and FAULTS, then set "
+        f"MIRRORED_SOURCE = {digest!r}"
+    )
 
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
