@@ -80,6 +80,12 @@ def completion_candidates(entry: GenerateLogProbsContent, k: int | None) -> list
     ]
 
 
+def shown_candidates(entry: GenerateLogProbsContent, top: int | None) -> Sequence[GenerateLogProb]:
+    """The candidates a chat entry shows: `top` of them, the first ones in order (None or -1:
+    all)."""
+    return entry.top_logprobs if top is None or top == -1 else entry.top_logprobs[:top]
+
+
 def chat_logprobs_of(
     tok: ModelTokenizer,
     context: Sequence[int],
@@ -105,7 +111,7 @@ def known_chat_logprobs(
         if sampled is None:
             return None
         alts = []
-        for t in e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]:
+        for t in shown_candidates(e, top):
             d = known.get(t.token_id)
             if d is None:
                 return None
@@ -149,27 +155,18 @@ class LogprobResolver:
         self, entries: Sequence[GenerateLogProbsContent], top: int | None
     ) -> list[ChatLogprob]:
         """`top`: how many candidates to show (None: all; 0: none), the first ones in order."""
+        # (a chunk whose every token shows the same in any context, the usual one, never gets
+        # here: `chat_logprobs_of` answers it with `known_chat_logprobs`)
         out = []
-        known, repaired, context = self.known, self.repaired, self.context
         for e in entries:
-            tops = e.top_logprobs if top is None or top == -1 else e.top_logprobs[:top]
-            # `_decoded`, `_top` and `_advance` inline for a token that shows the same in any
-            # context (the usual one): this loop runs for every candidate of every token
-            sampled = known.get(e.token_id) or self._decoded(e.token_id)
-            alts = []
-            for t in tops:
-                d = known.get(t.token_id) or self._decoded(t.token_id)
-                alts.append(TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes))
+            sampled = self._decoded(e.token_id)
+            alts = [self._top(t) for t in shown_candidates(e, top)]
             out.append(
                 ChatLogprob(
                     token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
                 )
             )
-            if repaired:
-                repaired.clear()
-            context.append(e.token_id)
-            if len(context) > LOGPROB_CONTEXT:
-                del context[0]
+            self._advance(e.token_id)
         return out
 
     def _top(self, t: GenerateLogProb) -> TopLogprob:
