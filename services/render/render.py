@@ -100,6 +100,8 @@ def _refuse_not_honoured(request: SamplingFields) -> None:
     """A vLLM field tokenline cannot honour is a 400 naming it, never silently ignored."""
     for name, unset in NOT_HONOURED.items():
         value = getattr(request, name, None)
+        if value is None and None in unset:  # not sent: nearly always, so checked first
+            continue
         if not any(value == u and isinstance(value, bool) == isinstance(u, bool) for u in unset):
             raise BadRequest(
                 f"`{name}` is not supported by tokenline yet; leave it out or use its default.",
