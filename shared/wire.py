@@ -18,7 +18,7 @@ wrong type is a `msgspec.ValidationError` naming the field (e.g. `$.token_ids[3]
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -209,6 +209,10 @@ class ToolDefinition(Wire, kw_only=True):
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    if TYPE_CHECKING:  # what every reader sees: null is made 1 when decoded (`__post_init__`)
+        n: int = 1
+    else:  # nullable in chat, as in OpenAI's spec and vLLM's chat model (not in completions')
+        n: Annotated[int, Meta(ge=1, le=128)] | None = 1
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=-1)] | None = 0
@@ -228,6 +232,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None
+
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
 
 
 # str, list[str], list[int] or list[list[int]]; msgspec unions allow one list type, so render

@@ -13,8 +13,8 @@ from tokenline.shared.errors import BadRequest
 
 @dataclass(frozen=True)
 class Bounds:
-    max_stops: int = 128
-    """Stop strings per request."""
+    max_stops: int = 4
+    """Stop strings per request (vLLM's `VLLM_MAX_STOP_STRINGS` default)."""
     max_stop_chars: int = 1024
     """Characters per stop string."""
     max_choices: int = 1024

@@ -25,8 +25,9 @@ class RenderConfig(ParsingService, frozen=True, kw_only=True):
     """A Jinja template overriding the model's (on the command line: a file, read at start)."""
     trust_request_chat_template: bool = False
     """Accept a `chat_template` sent in a request."""
-    max_stops: Positive = 128
-    """Stop strings a request may send."""
+    max_stops: Positive = 4
+    """Stop strings a request may send: vLLM's own limit by default (its
+    `VLLM_MAX_STOP_STRINGS`), so tokenline refuses what `vllm serve` refuses."""
     max_stop_chars: Positive = 1024
     """Characters per stop string."""
     max_choices: Positive = 1024

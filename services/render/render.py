@@ -411,6 +411,10 @@ def prompts_of(
     """Each prompt as token IDs: str, list[str], list[int] or list[list[int]]."""
     prompt = request.prompt
     add_special = request.add_special_tokens is not False
+    if prompt == "":  # vLLM's request check, before any tokenizing
+        raise BadRequest(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
     texts = [prompt] if isinstance(prompt, str) else prompt
     if not texts:
         raise BadRequest("prompt must not be empty", param="prompt")
@@ -420,7 +424,7 @@ def prompts_of(
             if request.truncate_prompt_tokens is None:
                 check_prompt_chars(len(text), settings.max_model_len, tok.max_token_chars, "prompt")
         encoded = tok.encode_many(texts, add_special)
-        return [truncated(ids, request, settings.max_model_len) for ids in encoded]
+        return _not_empty([truncated(ids, request, settings.max_model_len) for ids in encoded])
     try:
         lists = (
             [msgspec.convert(prompt, TokenIds)]
@@ -434,7 +438,17 @@ def prompts_of(
         if not ids:
             raise BadRequest(f"prompt {i} is empty", param="prompt")
         check_token_ids(ids, tok.vocab_size, "prompt")
-    return [truncated(ids, request, settings.max_model_len) for ids in lists]
+    return _not_empty([truncated(ids, request, settings.max_model_len) for ids in lists])
+
+
+def _not_empty(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts as they go to the engine, none empty: an empty text prompt among others
+    (or one truncated to nothing) is the request's fault, as vLLM's engine finds it, and never
+    an empty request that generate's wire cannot carry."""
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise BadRequest(f"prompt {i}: the decoder prompt cannot be empty", param="prompt")
+    return prompts
 
 
 def render_completion(

@@ -5,6 +5,7 @@ bounds. Pure: the render core with the offline models' tokenizers, no server."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import time
 from typing import Any
@@ -116,6 +117,16 @@ def test_stop_choice_and_logprob_bounds(tiny_tok: ModelTokenizer) -> None:
     )
     assert chat(tiny_tok, tight, logprobs=True, top_logprobs=4, max_tokens=20).token_ids
     refused(lambda: completion(tiny_tok, tight, prompt="hi", logprobs=4, max_tokens=30), "logprobs")
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_refused(tiny_tok: ModelTokenizer) -> None:
+    """Generate's wire carries no empty prompt: render refuses it as vLLM does (its request
+    check for a lone "", its engine's for one among others), naming the prompt."""
+    assert "non-empty" in refused(lambda: completion(tiny_tok, prompt=""), "prompt").message
+    for prompt in (["a", ""], ["", "a"]):
+        error = refused(functools.partial(completion, tiny_tok, prompt=prompt), "prompt")
+        assert "cannot be empty" in error.message
+    assert [len(g.token_ids) for g in completion(tiny_tok, prompt=["a", "b"])] == [1, 1]
 
 
 async def test_health_answers_while_a_10_mb_body_is_refused(

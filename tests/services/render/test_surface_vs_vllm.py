@@ -56,6 +56,9 @@ CHAT_CASES: list[dict[str, Any]] = [
     {"truncate_prompt_tokens": 5, "truncation_side": "right"},
     {"truncate_prompt_tokens": 5, "truncation_side": "left"},
     {"truncate_prompt_tokens": 100000},  # refused: beyond the context
+    {"n": None},  # nullable in chat: 1
+    {"stop": ["a", "b", "c", "d"]},
+    {"stop": ["a", "b", "c", "d", "e"]},  # refused: vLLM takes 4 at most
 ]
 COMPLETION_CASES: list[dict[str, Any]] = [
     {"response_format": {"type": "json_object"}},
@@ -69,6 +72,8 @@ COMPLETION_CASES: list[dict[str, Any]] = [
     {"truncate_prompt_tokens": 2, "prompt": ["one two three four", "five six seven"]},
     {"truncate_prompt_tokens": 2, "prompt": [[5, 6, 7, 8], [9, 10, 11]]},
     {"truncate_prompt_tokens": 3, "truncation_side": "right"},
+    {"prompt": ""},  # refused
+    {"stop": ["a", "b", "c", "d", "e"]},  # refused: vLLM takes 4 at most
 ]
 
 
