@@ -29,7 +29,9 @@ TokenId = Annotated[int, Meta(ge=0)]
 TokenIds = list[TokenId]
 NonNegative = Annotated[int, Meta(ge=0)]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
-Role = Literal["system", "user", "assistant", "tool", "developer", "function"]
+Role = str
+"""Any role: vLLM's custom message type takes any string and hands it to the template as it is
+(system, assistant, tool and developer messages have their own handling in render)."""
 
 
 class Wire(Struct, kw_only=True, gc=False):

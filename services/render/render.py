@@ -134,23 +134,30 @@ def _valid_salt(salt: str) -> bool:
 # --------------------------------------------------------------------------- chat
 
 
-def _content_text(message: ChatMessage, index: int) -> str:
-    """vLLM's "string" content format: text parts joined by newlines, None as "".
+def _content(message: ChatMessage, index: int, content_format: str) -> Any:
+    """A message's content as vLLM hands it to the template.
+
+    - "string" format: the text, the non-empty text parts joined by newlines (vLLM collects
+      only parts that give text), None as "".
+    - "openai" format (a template that loops over the parts): the text parts as they were sent,
+      empty ones included, those with a null text left out (vLLM skips those with a warning); a
+      string is one part.
 
     The served models are text-only: any other part (an image, audio) is a 400, as in vLLM,
     never silently dropped."""
     content = message.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        text = content or ""
+        return [{"type": "text", "text": text}] if content_format == "openai" else text
     for j, part in enumerate(content):
         if part.type != "text":
             raise BadRequest(
                 f"content part type {part.type!r} is not supported: this model takes text only",
                 param=f"messages[{index}].content[{j}]",
             )
-    return "\n".join(p.text or "" for p in content)
+    if content_format == "openai":
+        return [{"type": "text", "text": p.text} for p in content if p.text is not None]
+    return "\n".join(p.text for p in content if p.text)
 
 
 def _tool_calls(message: ChatMessage, index: int) -> list[dict[str, Any]] | None:
@@ -182,10 +189,9 @@ def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[
     """Messages as the chat template sees them."""
     out = []
     for index, message in enumerate(messages):
-        text = _content_text(message, index)
         item: dict[str, Any] = {
             "role": message.role,
-            "content": [{"type": "text", "text": text}] if content_format == "openai" else text,
+            "content": _content(message, index, content_format),
         }
         if message.role == "assistant" and (calls := _tool_calls(message, index)) is not None:
             item["tool_calls"] = calls

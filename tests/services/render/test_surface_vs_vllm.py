@@ -59,6 +59,11 @@ CHAT_CASES: list[dict[str, Any]] = [
     {"n": None},  # nullable in chat: 1
     {"stop": ["a", "b", "c", "d"]},
     {"stop": ["a", "b", "c", "d", "e"]},  # refused: vLLM takes 4 at most
+    {"messages": [{"role": "narrator", "content": "Once upon a time."}]},  # any role
+    *(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}]}
+        for texts in (["a", ""], ["", "b", "c"], ["", ""], ["a", "b"])
+    ),  # vLLM joins the parts that give text
 ]
 COMPLETION_CASES: list[dict[str, Any]] = [
     {"response_format": {"type": "json_object"}},
