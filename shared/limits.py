@@ -24,5 +24,9 @@ DETOK_STATE_IDS = DETOK_PROMPT_SEED + DETOK_MAX_WINDOW + 2
 sequence: the held-back part stays under DETOK_MAX_WINDOW and the emitted part (context) is cut
 from the left."""
 
+DETOK_HEAD_CHARS = 1 << 22
+"""The most characters `stream_state.detok_head` may hold: a prompt's text, which render
+bounds by `max_model_len` tokens (this is room for any model's)."""
+
 DERENDER_BATCH_ITEMS = 256
 """Stream chunks one derender batch call may carry."""

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from tokenline.shared.limits import DERENDER_BATCH_ITEMS, DETOK_STATE_IDS, LOGPROB_CONTEXT
+from tokenline.shared.limits import (
+    DERENDER_BATCH_ITEMS,
+    DETOK_HEAD_CHARS,
+    DETOK_STATE_IDS,
+    LOGPROB_CONTEXT,
+)
 
 TokenId = Annotated[int, Meta(ge=0)]
 TokenIds = list[TokenId]
@@ -620,6 +625,10 @@ class DerenderStreamState(Wire, kw_only=True, omit_defaults=True):
     detok_ids: Annotated[TokenIds, Meta(max_length=DETOK_STATE_IDS)] = []
     detok_prefix: NonNegative = 0
     last_special: bool = False
+    detok_head: Annotated[str, Meta(max_length=DETOK_HEAD_CHARS)] = ""
+    """The prompt's text that goes in front of the first text emitted, for a prompt whose text
+    ends in U+FFFD (vLLM then emits the prompt's text with the first output text): at most
+    the prompt's, as long as the longest prompt of this model can be (derender checks it)."""
     stop_tail: str = ""
     """The output's last characters a stop string could still match across, and those not yet
     sent: derender leaves at most the longest stop string less one character, and accepts up to

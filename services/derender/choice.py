@@ -88,8 +88,10 @@ class ChoiceState(msgspec.Struct, gc=False):
     """vLLM's reasoning-token count so far (chat with a reasoning parser configured)."""
 
     @classmethod
-    def start(cls, prompt_ids: list[int] | None) -> ChoiceState:
-        return cls(detok=seed(prompt_ids))
+    def start(
+        cls, prompt_ids: list[int] | None, tok: ModelTokenizer, options: ChoiceOptions
+    ) -> ChoiceState:
+        return cls(detok=seed(prompt_ids, tok, options.skip_special_tokens))
 
     @classmethod
     def from_wire(
@@ -100,7 +102,7 @@ class ChoiceState(msgspec.Struct, gc=False):
         check_state(s, tok, options)
         # the lists are taken, not copied: the state only ever replaces them, never changes them
         return cls(
-            detok=DetokState(s.detok_ids, s.detok_prefix, s.last_special),
+            detok=DetokState(s.detok_ids, s.detok_prefix, s.last_special, s.detok_head),
             stop=StopState(s.stop_tail, s.unsent_chars),
             context=s.logprob_context_token_ids,
             text_offset=s.logprob_text_offset,
@@ -121,6 +123,7 @@ class ChoiceState(msgspec.Struct, gc=False):
             detok_ids=self.detok.ids,
             detok_prefix=self.detok.prefix,
             last_special=self.detok.last_special,
+            detok_head=self.detok.head,
             stop_tail=self.stop.tail,
             unsent_chars=self.stop.unsent,
             completion_tokens=self.completion_tokens,

@@ -280,9 +280,10 @@ def derender_stream(
     prompt_ids = prompt_ids or chunk.prompt_token_ids
     wire = req.stream_state
     first = wire is None
-    state = (
-        ChoiceState.start(prompt_ids) if wire is None else ChoiceState.from_wire(wire, tok, opts)
-    )
+    if wire is None:
+        state = ChoiceState.start(prompt_ids, tok, opts)
+    else:
+        state = ChoiceState.from_wire(wire, tok, opts)
     chunk_id = req.chunk_id or chunk.request_id
     call = StreamCall(tok, client, chunk, state, first, prompt_ids, chunk_id, parsing)
     choices: list[Any] = []

@@ -23,16 +23,43 @@ from tokenline.shared.tokenizer import ModelTokenizer
 
 
 class DetokState(msgspec.Struct, gc=False):
-    """`ids[:prefix]` is the text already emitted; `ids[prefix:]` is held back."""
+    """`ids[:prefix]` is the text already emitted; `ids[prefix:]` is held back; `head` goes in
+    front of the next text emitted (`seed`)."""
 
     ids: list[int] = []
     prefix: int = 0
     last_special: bool = False
+    head: str = ""
 
 
-def seed(prompt_ids: list[int] | None) -> DetokState:
-    tail = list((prompt_ids or [])[-DETOK_PROMPT_SEED:])
-    return DetokState(ids=tail, prefix=len(tail))
+def seed(prompt_ids: list[int] | None, tok: ModelTokenizer, skip: bool) -> DetokState:
+    """The state after the prompt, as vLLM primes `DecodeStream` with the whole prompt.
+
+    A prompt whose text ends in U+FFFD (a cut character, or a literal one) never becomes
+    DecodeStream's prefix: its first emission is the decode of prompt and output together, the
+    prompt's text included. Here that prompt is cut where its text last ends cleanly: the part
+    after the cut is held back like output, and the part before it (`head`) goes in front of
+    the first text (the same text for decoders whose output is the concatenation of the
+    tokens' bytes; checked against DecodeStream in tests). The cut is looked for within the
+    window the detokenizer may hold back (a longer run of garbage ends in it, where vLLM would
+    reach further back)."""
+    ids = list(prompt_ids or [])
+    texts = token_texts(tok)
+    cut = len(ids)
+    while cut > max(0, len(ids) - DETOK_MAX_WINDOW + 1) and _ends_cut(texts, ids, cut, skip):
+        cut -= 1
+    start = max(0, cut - DETOK_PROMPT_SEED)
+    head = texts.decode(ids[:cut], skip) if cut < len(ids) else ""
+    return DetokState(ids=ids[start:], prefix=cut - start, head=head)
+
+
+def _ends_cut(texts: TokenTexts, ids: list[int], end: int, skip: bool) -> bool:
+    """`decode(ids[:end])` ends in U+FFFD, read from its last IDs (they hold the last
+    character's bytes) unless those decode to nothing (skipped special tokens)."""
+    window = texts.decode(ids[max(0, end - DETOK_PROMPT_SEED) : end], skip)
+    if window:
+        return window.endswith(REPLACEMENT)
+    return texts.decode(ids[:end], skip).endswith(REPLACEMENT)
 
 
 class Detokenizer:
@@ -64,14 +91,15 @@ class Detokenizer:
             self.skip_special_tokens and token_id in tok.special_ids
         )
         text = self._step(token_id) if shows else ""
-        if self.skip_special_tokens or self.spaces_between_special_tokens:
-            return text
-        # vLLM's quirk for spaces_between_special_tokens=False: a special token right after
-        # another is emitted as its own content.
-        special = self.tok.added_tokens.get(token_id)
-        if special is not None and self.state.last_special:
-            text = special
-        self.state.last_special = special is not None
+        if not (self.skip_special_tokens or self.spaces_between_special_tokens):
+            # vLLM's quirk for spaces_between_special_tokens=False: a special token right after
+            # another is emitted as its own content.
+            special = self.tok.added_tokens.get(token_id)
+            if special is not None and self.state.last_special:
+                text = special
+            self.state.last_special = special is not None
+        if text and self.state.head:  # the prompt's part of the first emission (`seed`)
+            text, self.state.head = self.state.head + text, ""
         return text
 
     def _step(self, token_id: int) -> str:

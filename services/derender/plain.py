@@ -151,6 +151,7 @@ def _plain_client(
         or client.stop not in (None, [])  # a lone "" too: the general path refuses it
         or wire.stopped
         or wire.unsent_chars
+        or wire.detok_head
         or wire.parser is not None
         or wire.reasoning_tokens is not None
     ):

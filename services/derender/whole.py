@@ -46,7 +46,8 @@ def _whole_outputs(
 ) -> list[tuple[int, ChoiceOutput]]:
     """Each choice of a generate answer, decoded from the start: (index, output)."""
     return [
-        (c.index, decode_choice(tok, opts, ChoiceState.start(prompt_ids), c)) for c in r.choices
+        (c.index, decode_choice(tok, opts, ChoiceState.start(prompt_ids, tok, opts), c))
+        for c in r.choices
     ]
 
 

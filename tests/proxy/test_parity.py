@@ -84,6 +84,9 @@ def completion_cases() -> list[dict[str, Any]]:
         # vLLM reads booleans as 1 and 0
         {"prompt": TEXTS[2], "max_tokens": 8, "temperature": 0, "logprobs": True},
         {"prompt": TEXTS[3], "max_tokens": 8, "temperature": 0, "logprobs": False},
+        # a prompt whose text ends in a cut character: vLLM's first text carries the prompt's
+        {"prompt": [1421, 1330], "max_tokens": 6, "temperature": 0},
+        {"prompt": [1421, 1330], "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1},
     ]
     return cases
 

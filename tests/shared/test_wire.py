@@ -11,8 +11,9 @@ import pytest
 
 from tests.conftest import Fleet
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
-from tokenline.services.derender.choice import ChoiceState
+from tokenline.services.derender.choice import ChoiceOptions, ChoiceState
 from tokenline.services.derender.texts import Decoded
+from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     CLIENT_VIEW_BYTES,
     GENERATE_CHUNK,
@@ -179,7 +180,7 @@ def test_derender_reads_a_calls_client_request_only_through_client() -> None:
     assert readers == []
 
 
-def test_per_token_structs_stay_out_of_the_garbage_collector() -> None:
+def test_per_token_structs_stay_out_of_the_garbage_collector(tiny_tok: ModelTokenizer) -> None:
     """A stream builds and decodes several Structs per token on each side: none is tracked by
     the cyclic GC (`gc=False`: they never hold themselves, and tracking made every allocation
     link into the GC's list, and every collection walk them). Their lists still are."""
@@ -195,5 +196,5 @@ def test_per_token_structs_stay_out_of_the_garbage_collector() -> None:
     assert gc.is_tracked(chunk.choices)
     state = DerenderStreamState(detok_ids=[1, 2])
     assert not gc.is_tracked(state)
-    assert not gc.is_tracked(ChoiceState.start([1, 2]))
+    assert not gc.is_tracked(ChoiceState.start([1, 2], tiny_tok, ChoiceOptions()))
     assert not gc.is_tracked(Decoded("a", [97]))

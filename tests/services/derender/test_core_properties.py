@@ -19,6 +19,7 @@ from tokenizers.decoders import DecodeStream
 
 from tokenline.services.derender.bounds import DerenderSettings
 from tokenline.services.derender.derender import derender
+from tokenline.services.derender.detok import Detokenizer, seed
 from tokenline.shared.kinds import CHAT, COMPLETION
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
@@ -181,12 +182,12 @@ def test_whole_decode_matches_decode_stream(
     which: str, data: st.DataObject, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
 ) -> None:
     """The text equals vLLM's own fast detokenizer (DecodeStream seeded with the prompt),
-    through the fast path (a token appending its own text) and the window decodes alike."""
+    through the fast path (a token appending its own text) and the window decodes alike, a
+    prompt whose text ends in U+FFFD included (its text then comes out with the first output
+    text: `detok.seed`)."""
     tok = tiny_tok if which == "tiny" else qwen3_tok
     g = data.draw(generation(tok))
     prompt, skip = g["prompt"] or [], g["request"]["skip_special_tokens"]
-    if tok.decode(prompt, skip_special_tokens=skip).endswith("\ufffd"):
-        return  # vLLM emits the whole prompt text here (a quirk we do not reproduce)
     g["request"] |= {"stop": [], "spaces_between_special_tokens": True}
     g["finish"] = "length"
     stream = (
@@ -249,3 +250,32 @@ def test_completion_offsets_are_absolute_across_chunks(tiny_tok: ModelTokenizer)
     assert tokens == one.choices[0].logprobs.tokens
     # streaming offsets count text already sent, as monolithic vLLM's streaming does
     assert offsets[0] == 0 and offsets == sorted(offsets)
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen3"])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_each_step_matches_decode_stream_after_a_prompt_that_ends_cut(
+    which: str, data: st.DataObject, tiny_tok: ModelTokenizer, qwen3_tok: ModelTokenizer
+) -> None:
+    """Token by token, the detokenizer emits what DecodeStream emits when primed with a prompt
+    whose text ends in U+FFFD (a multibyte word cut short, or a literal U+FFFD): nothing until
+    the text ends cleanly, then the prompt's text with the output's."""
+    tok = tiny_tok if which == "tiny" else qwen3_tok
+    skip = data.draw(st.booleans())
+    cut_word = tok.encode(data.draw(st.sampled_from(["鑫龘", "😀🎉", "こんにちは"])), False)
+    before = data.draw(st.lists(st.integers(0, tok.tokenizer_size - 1), max_size=30))
+    ending = data.draw(
+        st.one_of(
+            st.just(cut_word[: data.draw(st.integers(1, max(1, len(cut_word) - 1)))]),
+            st.just(tok.encode("ok \ufffd", False)),
+        )
+    )
+    prompt = [*before, *ending]
+    ids = data.draw(st.lists(st.integers(0, tok.tokenizer_size - 1), min_size=1, max_size=12))
+    stream = DecodeStream(ids=prompt, skip_special_tokens=skip)
+    expected = [stream.step(tok.rust, t) or "" for t in ids]
+    feed = Detokenizer(tok, skip, True, seed(prompt, tok, skip)).feed
+    assert [feed(t) for t in ids] == expected
