@@ -498,7 +498,9 @@ class AssistantMessage(Wire, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     reasoning: str | None = None
-    tool_calls: list[ToolCall] = []
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    """Left out when there are none, as vLLM leaves them out (the OpenAI SDK then reads None,
+    not an empty list)."""
 
 
 class ChatChoice(Wire, kw_only=True):

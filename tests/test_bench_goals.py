@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,18 @@ def test_a_bench_that_fails_hangs_or_writes_nothing_is_failed(tmp_path: Path) ->
     junk = _bench("junk", "import sys; open(sys.argv[-1], 'w').write('{\"points\": 3}')")
     bad = goals.run_bench(junk, tmp_path, quick=False, timeout=60)
     assert bad.error == "its figures could not be read: TypeError: 'int' object is not iterable"
+
+
+def test_a_bench_is_interrupted_even_where_sigint_is_ignored(tmp_path: Path) -> None:
+    """Run as a script's background job, the runner has SIGINT ignored, and so would its benches:
+    a timed-out one must still stop at once, not sleep on."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        hang = goals.run_bench(_bench("hang", "import time; time.sleep(60)"), tmp_path, False, 1.0)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert hang.error is not None and hang.error.startswith("timed out after 1 s")
+    assert hang.seconds < 30
 
 
 def test_a_bench_that_ran_is_checked_and_quick_reaches_it(tmp_path: Path) -> None:

@@ -173,7 +173,11 @@ def _run(command: list[str], log: Path, timeout: float) -> None:
         # a session of its own: a ^C at the terminal reaches the bench once, from us, so a second
         # KeyboardInterrupt does not cut its cleanup short
         proc = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_interruptible,
         )
         try:
             status = proc.wait(timeout=timeout)
@@ -183,6 +187,13 @@ def _run(command: list[str], log: Path, timeout: float) -> None:
             _interrupt(proc)  # timed out, or we were interrupted: the bench stops its servers
     if status != 0:
         raise BenchFailed(f"exit status {status}: {_last_line(log)} (log: {log})")
+
+
+def _interruptible() -> None:
+    """In the bench's process, before it starts: SIGINT at its default, which Python turns into
+    KeyboardInterrupt. Run where SIGINT is ignored (a script's background job, `nohup ... &`),
+    the bench would inherit that, and `_interrupt` could not stop it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _interrupt(proc: subprocess.Popen[bytes]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from msgspec import UNSET
+
 from tokenline.services.derender.bounds import (
     DerenderSettings,
     check_prompt_ids,
@@ -109,8 +111,9 @@ def _chat_choice(
         parsed = parsing.message(pieces)
         echoing = request is not None and request.echo
         content = echo + (parsed.content or "") if echoing else parsed.content
+        calls = tool_calls_of(parsed)
         message = AssistantMessage(
-            role=role, content=content, reasoning=parsed.reasoning, tool_calls=tool_calls_of(parsed)
+            role=role, content=content, reasoning=parsed.reasoning, tool_calls=calls or UNSET
         )
         finish = parsing.finish_reason(out.finish_reason, bool(parsed.tool_calls))
         shown = parsing.shows_metadata

@@ -76,14 +76,9 @@ def _path(kind: str) -> str:
 
 def _plain(value: Any) -> Any:
     """An answer without ids, timestamps and nulls (tokenline leaves out some fields vLLM
-    shows as null, and the other way round; a null against a value still differs), nor the
-    empty `tool_calls` list tokenline's messages show and vLLM's leave out."""
+    shows as null, and the other way round; a null against a value still differs)."""
     if isinstance(value, dict):
-        return {
-            k: _plain(v)
-            for k, v in value.items()
-            if k not in IGNORED and v is not None and not (k == "tool_calls" and v == [])
-        }
+        return {k: _plain(v) for k, v in value.items() if k not in IGNORED and v is not None}
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value

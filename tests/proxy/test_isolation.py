@@ -68,12 +68,6 @@ def poison() -> list[tuple[str, str, dict[str, Any], tuple[int, ...]]]:
         # an empty prompt tokenizes to nothing: the request's fault, never a 502
         ("empty prompt", COMPLETIONS, {"prompt": "", "max_tokens": 2}, (400,)),
         ("empty prompt among others", COMPLETIONS, {"prompt": ["a", ""], "max_tokens": 2}, (400,)),
-        (
-            "empty prompt, streamed",
-            COMPLETIONS,
-            {"prompt": ["a", ""], "max_tokens": 2, "stream": True},
-            (400,),
-        ),
         ("choices", COMPLETIONS, {"prompt": ["a"] * 200, "n": 100}, (400,)),
         (
             "logprob volume",

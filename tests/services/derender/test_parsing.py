@@ -141,8 +141,9 @@ def _summary(whole: dict[str, Any]) -> dict[str, Any]:
     return {
         "content": message["content"],
         "reasoning": message["reasoning"],
-        "calls": [
-            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]
+        "calls": [  # (none: left out, as vLLM leaves them out)
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls", [])
         ],
         "finish": choice["finish_reason"],
         "logprobs": len((choice["logprobs"] or {}).get("content") or []),
