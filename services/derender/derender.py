@@ -87,7 +87,9 @@ def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> Chat
     text = chat_echo(request) + out.text if first else out.text
     return ChatStreamChoice(
         index=index,
-        delta=Delta(role=chat_role(request) if first else None, content=text or None),
+        # `content` even when "" (text held back): monolithic vLLM streams it so (vLLM's own
+        # scale-out derender leaves it null, and a client adding up the content then fails)
+        delta=Delta(role=chat_role(request) if first else None, content=text),
         logprobs=chat_logprobs(call.tok, out, request),
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,

@@ -186,7 +186,7 @@ def _chat_choice(
         logprobs = ChatLogprobs(content=chat_logprobs_of(tok, context, content, chat_top(client)))
     choice = ChatStreamChoice(
         index=index,
-        delta=Delta(content=text or None),
+        delta=Delta(content=text),  # "" while text is held back, as vLLM streams it
         logprobs=logprobs,
         token_ids=ids if client.return_token_ids else None,
     )

@@ -3,6 +3,7 @@ derender, through the proxy) answers exactly what monolithic `vllm serve` answer
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -11,6 +12,7 @@ import pytest
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
 from tokenline.launch.bench.corpus import TEXTS, stop_from
+from tokenline.launch.bench.http import post_raw, sse_payloads
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -206,3 +208,41 @@ def test_answers_equal_monolithic_vllm(
         compared += 1
     # 50+ requests across the four parametrizations, each compared in full
     assert compared >= (len(cases) * 2) // 3
+
+
+ROLE_CHUNK = {"role": "assistant", "content": ""}
+"""The chunk monolithic vLLM opens each chat choice with; tokenline shows the role on the
+choice's first text chunk instead (README: "Where a client can still tell")."""
+
+
+def _deltas(raw: bytes, opening: bool) -> list[Any]:
+    """Each chunk's delta (the one choice's), in order; `opening`: vLLM's own role chunk is left
+    out and the role taken off tokenline's first chunk, so the rest compare as they are."""
+    deltas = []
+    for payload in sse_payloads(raw):
+        choices = json.loads(payload)["choices"]
+        if choices:  # (not a usage-only chunk)
+            deltas.append(dict(choices[0]["delta"]))
+    if opening and deltas and deltas[0] == ROLE_CHUNK:
+        return deltas[1:]
+    if deltas:
+        deltas[0].pop("role", None)
+    return deltas
+
+
+def test_chunks_carry_text_as_vllm_s_do(fleet: Fleet, pipeline: Pipeline) -> None:
+    """Chunk by chunk, a chat stream's deltas are vLLM's, its opening role chunk aside: a token
+    whose text is held back (an unfinished character) shows `"content": ""`, not an empty
+    delta, as vLLM shows it."""
+    cases = [c for c in chat_cases() if c.get("stop") != "@STOP@" and "n" not in c]
+    # token 1330's bytes never end a character, however many follow: every chunk is held back
+    hello = [{"role": "user", "content": "Hello"}]
+    cases.append({"messages": hello, "max_tokens": 3, "temperature": 0, "logit_bias": {1330: 99}})
+    held = 0
+    for i, case in enumerate(cases):
+        body = {"model": "tiny", **case, "stream": True}
+        theirs = _deltas(post_raw(fleet.oracle.url + "/v1/chat/completions", body), True)
+        ours = _deltas(post_raw(pipeline.proxy.url + "/v1/chat/completions", body), False)
+        assert ours == theirs, (i, case)
+        held += sum(d == {"content": ""} for d in theirs)
+    assert held > 0  # the cases do hold text back somewhere
