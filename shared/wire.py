@@ -36,7 +36,7 @@ NonNegative = Annotated[int, Meta(ge=0)]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Role = str
 """Any role: vLLM's custom message type takes any string and hands it to the template as it is
-(system, assistant, tool and developer messages have their own handling in render)."""
+(assistant and tool messages have their own handling in render)."""
 
 
 class Wire(Struct, kw_only=True, gc=False):
@@ -629,8 +629,8 @@ class DerenderStreamState(Wire, kw_only=True, omit_defaults=True):
     last_special: bool = False
     detok_head: Annotated[str, Meta(max_length=DETOK_HEAD_CHARS)] = ""
     """The prompt's text that goes in front of the first text emitted, for a prompt whose text
-    ends in U+FFFD (vLLM then emits the prompt's text with the first output text): at most
-    the prompt's, as long as the longest prompt of this model can be (derender checks it)."""
+    ends in U+FFFD (vLLM then emits the prompt's text with the first output text): the
+    prompt's text at most, capped by the schema at `DETOK_HEAD_CHARS`."""
     stop_tail: str = ""
     """The output's last characters a stop string could still match across, and those not yet
     sent: derender leaves at most the longest stop string less one character, and accepts up to

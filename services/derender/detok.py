@@ -43,7 +43,7 @@ def seed(prompt_ids: list[int] | None, tok: ModelTokenizer, skip: bool) -> Detok
     tokens' bytes; checked against DecodeStream in tests). The cut is looked for within the
     window the detokenizer may hold back (a longer run of garbage ends in it, where vLLM would
     reach further back)."""
-    ids = list(prompt_ids or [])
+    ids = prompt_ids or []  # (read only: the state keeps slices of it)
     texts = token_texts(tok)
     cut = len(ids)
     while cut > max(0, len(ids) - DETOK_MAX_WINDOW + 1) and _ends_cut(texts, ids, cut, skip):
