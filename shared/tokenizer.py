@@ -304,6 +304,8 @@ class ModelTokenizer:
                 "this model has no chat template; pass --chat-template", param="messages"
             )
         final = ""
+        if not _names_developer(source) and any(m["role"] == "developer" for m in messages):
+            messages = _developer_as_system(messages)
         if continue_final_message:
             final, messages = _tag_final_message(messages, source)
         # The request's template kwargs override the defaults (`documents` among them), as
@@ -313,6 +315,37 @@ class ModelTokenizer:
         context["add_generation_prompt"] = add_generation_prompt
         rendered = self.templates.get(source).render(context)
         return _cut_at_tag(rendered, final) if continue_final_message else rendered
+
+
+def _names_developer(source: str) -> bool:
+    """The template knows the `developer` role (vLLM's test: the quoted name in its source)."""
+    return '"developer"' in source or "'developer'" in source
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`developer` messages for a template that never names the role, as vLLM hands them to it:
+    each becomes a system message (without `tools`), and when that leaves a system message
+    anywhere but first, or more than one, all of them become one, first, their non-empty texts
+    joined by blank lines (a template may demand its system message first)."""
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in messages
+    ]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if systems in ([], [0]):
+        return converted
+    texts = [_plain_text(converted[i].get("content")) for i in systems]
+    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
+    return [merged, *(m for m in converted if m["role"] != "system")]
+
+
+def _plain_text(content: Any) -> str:
+    """A message's content as one string: its parts' texts joined by newlines."""
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content if isinstance(p, dict) and "text" in p)
+    return content or ""
 
 
 def _tag_final_message(

@@ -23,6 +23,9 @@ SCHEMA = {
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name"],
 }
+USER = {"role": "user", "content": "Hi there."}
+SYSTEM = {"role": "system", "name": "rules", "content": "Answer in French."}
+TEXT_A = {"type": "text", "text": "One."}
 CHAT_CASES: list[dict[str, Any]] = [
     {"response_format": {"type": "text"}},
     {"response_format": {"type": "json_object"}},
@@ -64,6 +67,12 @@ CHAT_CASES: list[dict[str, Any]] = [
         {"messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}]}
         for texts in (["a", ""], ["", "b", "c"], ["", ""], ["a", "b"])
     ),  # vLLM joins the parts that give text
+    # developer messages, for templates that never name the role: system ones, merged first
+    {"messages": [{"role": "developer", "content": "Be brief."}, USER]},
+    {"messages": [SYSTEM, {"role": "developer", "content": "Be brief."}, USER]},
+    {"messages": [USER, {"role": "developer", "content": [TEXT_A, {"type": "text", "text": ""}]}]},
+    {"messages": [{"role": "developer", "content": ""}, SYSTEM, USER]},
+    {"messages": [SYSTEM, USER, {"role": "system", "content": "And kind."}]},  # no developer
 ]
 COMPLETION_CASES: list[dict[str, Any]] = [
     {"response_format": {"type": "json_object"}},
