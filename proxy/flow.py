@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from tokenline.shared.errors import UpstreamError
-from tokenline.shared.kinds import DERENDER_READS, Kind
+from tokenline.shared.kinds import DERENDER_READS, Kind, chat_echo, chat_role
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
+    CHAT_CHUNK,
     CHUNK_HEAD,
     GENERATE_CHUNK,
     JSON,
@@ -29,8 +31,10 @@ from tokenline.shared.wire import (
     BatchItemAnswer,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatStreamChoice,
     CompletionChunk,
     CompletionRequest,
+    Delta,
     DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbs,
@@ -418,6 +422,28 @@ def whole_derender_body(
 # --------------------------------------------------------------------------- stream bookkeeping
 
 
+EMPTY_DELTA = Delta()
+
+
+def _without_role(choice: ChatStreamChoice) -> ChatStreamChoice:
+    return msgspec.structs.replace(choice, delta=msgspec.structs.replace(choice.delta, role=None))
+
+
+def _shows_nothing(choice: ChatStreamChoice) -> bool:
+    """A chat choice vLLM does not stream (a parser held its text back, and it has no
+    logprobs, token IDs or finish to show)."""
+    return (
+        choice.delta == EMPTY_DELTA
+        and choice.logprobs is None
+        and choice.token_ids is None
+        and choice.finish_reason is None
+    )
+
+
+def _opening_choice(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
 @dataclass
 class ChoiceProgress:
     """Per choice: derender's state and whether the choice is over."""
@@ -436,9 +462,17 @@ class ChoiceProgress:
 class Emission(msgspec.Struct, frozen=True, gc=False):
     """A chunk for the client and the completion tokens it accounts for (for per-token ITL)."""
 
-    chunk: ClientChunk | msgspec.Raw
-    """A chunk struct, or derender's JSON of one (sent as it is)."""
+    chunk: ClientChunk | msgspec.Raw | None
+    """A chunk struct, or derender's JSON of one (sent as it is); None: only `opening`."""
     tokens: int
+    opening: list[dict[str, Any]] | None = None
+    """A chat stream's opening chunks, sent before `chunk` (`StreamFlow.opening`)."""
+
+    def chunks(self) -> list[ClientChunk | msgspec.Raw | dict[str, Any]]:
+        """What the client gets, in order."""
+        if self.opening is None:
+            return [self.chunk] if self.chunk is not None else []
+        return [*self.opening, *([self.chunk] if self.chunk is not None else [])]
 
 
 @dataclass
@@ -466,6 +500,8 @@ class StreamFlow:
     """Every chunk carries usage (`stream_options.continuous_usage_stats`)."""
     n: int = field(init=False)
     """Choices per prompt (an attribute, not a property: every passed-on chunk reads it)."""
+    opened: bool = False
+    """A chat stream's opening chunks went out (`opening`)."""
 
     def __post_init__(self) -> None:
         self.n = self.gens[0].sampling_params.n
@@ -575,6 +611,13 @@ class StreamFlow:
         """Derender's answer to the call for a chunk of prompt `p` with `choice`: the chunk for
         the client, if it has choices (derender's own JSON when nothing in it needs changing)."""
         prog = self.progress[(p, choice.index)]
+        if prog.state is None and self.kind.name == "chat":
+            return self._opened(p, prog, choice, answer)
+        return self._accept(p, prog, choice, answer)
+
+    def _accept(
+        self, p: int, prog: ChoiceProgress, choice: ReadChoice, answer: StreamAnswer
+    ) -> Emission | None:
         prog.generated += choice.token_ids or ()
         prog.state = answer.stream_state
         # the batched transport's answer first: isinstance's exact-type shortcut then takes it
@@ -602,9 +645,66 @@ class StreamFlow:
             decoded = self.kind.chunk_json.decode(answer.chunk) if raw else answer.chunk
             out = msgspec.structs.replace(decoded, usage=usage)
         elif not raw:
-            out = msgspec.structs.replace(answer.chunk, id=self.rendered.public_id, usage=None)
+            out = msgspec.structs.replace(answer.chunk, id=self.rendered.public_id, usage=UNSET)
         tokens, prog.unsent_tokens = prog.unsent_tokens, 0
         return Emission(out, tokens)
+
+    def _opened(
+        self, p: int, prog: ChoiceProgress, choice: ReadChoice, answer: StreamAnswer
+    ) -> Emission | None:
+        """`accept` for a chat choice's first answer, as monolithic vLLM streams it: the
+        stream's opening chunks first (once, for every choice: `opening`), then the answer's
+        chunk without what they show. derender (tokenline's, and vLLM's scale-out one) puts the
+        role and the prompt's IDs on a choice's first chunk; the echo the proxy never asks it
+        for (the first call carries the prompt stub, whose last message echoes nothing)."""
+        raw = isinstance(answer, (BatchItemAnswer, RawStreamAnswer))
+        chunk: ChatCompletionChunk = CHAT_CHUNK.decode(answer.chunk) if raw else answer.chunk
+        choices = [c for c in map(_without_role, chunk.choices) if not _shows_nothing(c)]
+        chunk = msgspec.structs.replace(chunk, choices=choices, prompt_token_ids=UNSET)
+        bare = msgspec.Raw(JSON.encode(chunk)) if raw else chunk
+        if isinstance(answer, BatchItemAnswer):  # which says whether its chunk shows a choice
+            answer = msgspec.structs.replace(answer, chunk=bare, shown=bool(choices))
+        else:
+            answer = msgspec.structs.replace(answer, chunk=bare)
+        emission = self._accept(p, prog, choice, answer)
+        if self.opened:
+            return emission
+        self.opened = True
+        opening = self.opening(chunk, prog.reasoning_tokens is not None)
+        if emission is None:
+            return Emission(None, 0, opening)
+        return msgspec.structs.replace(emission, opening=opening)
+
+    def opening(self, chunk: ChatCompletionChunk, reasoning: bool) -> list[dict[str, Any]]:
+        """What vLLM streams before a chat answer's first text: a chunk per choice with the
+        role and empty content (and the prompt's IDs when asked for, and usage when every
+        chunk carries it, with `reasoning_tokens` when a reasoning parser counts them), then
+        with `echo`, a chunk per choice with the echoed text."""
+        client: ChatCompletionRequest = self.client  # type: ignore[assignment]
+        head = {
+            "id": self.rendered.public_id,
+            "object": self.kind.chunk_object,
+            "created": chunk.created,
+            "model": chunk.model,
+        }
+        tail: dict[str, Any] = {}
+        if self.continuous_usage:
+            counted = [ChoiceProgress(reasoning_tokens=0)] if reasoning else []
+            tail["usage"] = self.usage(0, 0, counted)
+        ids = self.gens[0].token_ids if client.return_token_ids else None
+        role = {"role": chat_role(client), "content": ""}
+        out = [
+            head
+            | {"choices": [_opening_choice(i, role)], "prompt_token_ids": ids, "prompt_text": None}
+            | tail
+            for i in range(self.n)
+        ]
+        if echo := chat_echo(client):
+            out += [
+                head | {"choices": [_opening_choice(i, {"content": echo})]} | tail
+                for i in range(self.n)
+            ]
+        return out
 
     def emitted(self, p: int) -> bool:
         return any(q == p and s.state is not None for (q, _), s in self.progress.items())
@@ -637,8 +737,16 @@ class StreamFlow:
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
-            completion_tokens_details={"reasoning_tokens": sum(counts)} if counts else None,
+            prompt_tokens_details=UNSET,  # a chunk's: vLLM leaves it out
+            completion_tokens_details=self._details(counts),
         )
+
+    def _details(self, reasoning: list[int]) -> dict[str, int] | UnsetType | None:
+        """A chunk's `completion_tokens_details` as vLLM shows it: the reasoning tokens when
+        derender counts them; else null in chat, left out in completions."""
+        if reasoning:
+            return {"reasoning_tokens": sum(reasoning)}
+        return None if self.kind.name == "chat" else UNSET
 
     def final_chunk(self) -> dict[str, Any] | None:
         """The usage-only chunk a client asked for with `stream_options.include_usage`."""
@@ -653,5 +761,6 @@ class StreamFlow:
             "created": int(time.time()),
             "model": self.model,
             "choices": [],
-            "usage": {k: v for k, v in usage.items() if v is not None},  # vLLM leaves out nulls
+            # vLLM leaves out nulls
+            "usage": {k: v for k, v in usage.items() if v is not None and v is not UNSET},
         }

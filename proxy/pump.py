@@ -105,7 +105,7 @@ class Pump:
             streaming, p = self.streaming, self.p
             choice = read_choice(chunk, outcome)  # None: nothing to show, nothing changed
             out = None if choice is None else streaming.accepted(p, choice, outcome)
-            room = True if out is None else streaming.out.send_now([out])
+            room = streaming.out.send_now(out) if out else True
             # one choice: when it is over, the prompt is done
             if not room or (choice is not None and streaming.flow.over(p, choice.index)):
                 self._stop()

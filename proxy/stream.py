@@ -346,8 +346,7 @@ class Streaming:
                 first = None
         ready = []
         for chunk in chunks:
-            if (answer := await self._relay(p, chunk)) is not None:
-                ready.append(answer)
+            ready += await self._relay(p, chunk)
         if ready:
             await self.out.send(ready)
         return first
@@ -365,8 +364,8 @@ class Streaming:
         try:
             answer = await self._relay(p, first.chunk(gen), urgent=True)
             self.first_shown[p] = first.token  # with the state derender just gave
-            if answer is not None:
-                await self.out.send([answer])
+            if answer:
+                await self.out.send(answer)
         except BaseException:
             await _settled(reading)
             raise
@@ -377,25 +376,25 @@ class Streaming:
 
     async def _relay(
         self, p: int, chunk: GenerateStreamChunk, urgent: bool = False
-    ) -> Outgoing | None:
+    ) -> list[Outgoing]:
         call = self.flow.call(p, chunk, urgent)
         if call is None:
-            return None
+            return []
         return self.accepted(p, chunk.choices[0], await self.hops.derender.stream(call))
 
-    def accepted(self, p: int, choice: ReadChoice, answer: Any) -> Outgoing | None:
-        """Derender's answer for a chunk of prompt `p` with `choice`: what the client gets, if
-        anything."""
+    def accepted(self, p: int, choice: ReadChoice, answer: Any) -> list[Outgoing]:
+        """Derender's answer for a chunk of prompt `p` with `choice`: what the client gets (a
+        chunk, a chat stream's opening chunks before its first, or nothing)."""
         emission = self.flow.accept(p, choice, answer)
         if emission is None:
-            return None
+            return []
         now = time.perf_counter()
         if self.last_sent is None:
             self.hops.metrics.ttft.observe(now - self.started)
         elif emission.tokens:
             self.hops.metrics.itl.observe((now - self.last_sent) / emission.tokens)
         self.last_sent = now
-        return emission.chunk
+        return emission.chunks()
 
 
 async def _next(source: AsyncGenerator[list[bytes], Pumping | None]) -> list[bytes] | None:

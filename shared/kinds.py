@@ -59,15 +59,39 @@ DERENDER_READS = (
 a stream's derender calls carry only these, not the whole client body with every chunk."""
 DERENDER_FIRST_READS = ("messages", "prompt")
 """The prompt fields derender also reads, for a choice's first chunk only (its role, its echo):
-that call carries them cut to what it needs (`Kind.first_fields`), the others a stub."""
+a completions call carries the prompt it echoes (`Kind.first_fields`), the others a stub. (The
+proxy shows a chat stream's role and echo itself, so its calls all carry the stub.)"""
+
+
+RESPONSE_ROLE = "assistant"
+"""vLLM's `--response-role` default."""
+
+
+def chat_role(request: ChatCompletionRequest | None) -> str:
+    """The answer's role (vLLM's `get_chat_request_role`): the response role after a
+    generation prompt, else the last message's role (the model continues that message)."""
+    if request is None or request.add_generation_prompt:
+        return RESPONSE_ROLE
+    return request.messages[-1].role
+
+
+def chat_echo(request: ChatCompletionRequest | None) -> str:
+    """What `echo` puts ahead of each choice's content: the last message's text (its text
+    parts joined by newlines) when that message has the answer's role, else nothing."""
+    if request is None or not request.echo:
+        return ""
+    last = request.messages[-1]
+    if last.role != chat_role(request) or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)
 
 
 def _chat_first(client: Any, p: int) -> dict[str, Any]:
-    """The last message, when the role or the echo depends on it (its content only to echo)."""
-    if client.add_generation_prompt and not client.echo:
-        return {}
-    last = client.messages[-1]
-    return {"messages": [{"role": last.role, "content": last.content if client.echo else None}]}
+    """Nothing: a chat stream's role and echo are the proxy's to show, in chunks of their own
+    as vLLM's (`StreamFlow.opening`), so derender's first call needs no more than the stub."""
+    return {}
 
 
 def _completion_first(client: Any, p: int) -> dict[str, Any]:

@@ -395,10 +395,11 @@ class Usage(Wire, kw_only=True):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
-    prompt_tokens_details: dict[str, Any] | None = None
-    completion_tokens_details: dict[str, Any] | None = None
+    prompt_tokens_details: dict[str, Any] | None | UnsetType = None
+    """Null in whole answers; left out (UNSET) in stream chunks, as vLLM leaves it."""
+    completion_tokens_details: dict[str, Any] | None | UnsetType = None
     """`{"reasoning_tokens": N}` on a chat answer when a reasoning parser is configured (vLLM's
-    count); null otherwise."""
+    count); null otherwise (left out of completions' stream chunks, as vLLM leaves it)."""
 
 
 StopReason = int | str | None
@@ -501,6 +502,11 @@ class AssistantMessage(Wire, kw_only=True):
     tool_calls: list[ToolCall] | UnsetType = UNSET
     """Left out when there are none, as vLLM leaves them out (the OpenAI SDK then reads None,
     not an empty list)."""
+    # OpenAI's fields tokenline never fills, null as vLLM shows them
+    refusal: None = None
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
 
 
 class ChatChoice(Wire, kw_only=True):
@@ -510,9 +516,21 @@ class ChatChoice(Wire, kw_only=True):
     finish_reason: str | None = "stop"
     stop_reason: StopReason = None
     token_ids: list[int] | None = None
+    routed_experts: None = None
 
 
-class ChatCompletion(Wire, kw_only=True):
+class WholeAnswerNulls(Wire, kw_only=True):
+    """The keys of a whole answer that vLLM shows and tokenline never fills: null, as in
+    vLLM's. (No `system_fingerprint`: vLLM's names its server's config, which a front end
+    over a pool of engines does not have; null is vLLM's own `--fingerprint-mode none`.)"""
+
+    service_tier: None = None
+    system_fingerprint: None = None
+    ec_transfer_params: None = None
+    metrics: None = None
+
+
+class ChatCompletion(WholeAnswerNulls, kw_only=True):
     id: str
     object: str = "chat.completion"
     created: int
@@ -521,6 +539,7 @@ class ChatCompletion(Wire, kw_only=True):
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: None = None
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -551,18 +570,22 @@ class ChatStreamChoice(Wire, kw_only=True):
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: StopReason = None
+    stop_reason: StopReason | UnsetType = UNSET
+    """Shown (null too) with a finish reason only, as vLLM shows it in chat streams."""
     token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(Wire, kw_only=True):
+    """A chat stream chunk with vLLM's keys: `usage` only when every chunk carries it,
+    `prompt_token_ids` only on the opening chunks (UNSET: left out, as vLLM leaves them)."""
+
     id: str
     object: str = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
+    usage: Usage | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | None | UnsetType = UNSET
 
 
 class CompletionStreamChoice(Wire, kw_only=True):
@@ -580,9 +603,10 @@ class CompletionChoice(CompletionStreamChoice, kw_only=True):
     every choice of the prompt, not at the top level as chat does)."""
 
     prompt_logprobs: PromptLogprobs | None = None
+    routed_experts: None = None
 
 
-class Completion(Wire, kw_only=True):
+class Completion(WholeAnswerNulls, kw_only=True):
     id: str
     object: str = "text_completion"
     created: int
@@ -598,7 +622,8 @@ class CompletionChunk(Wire, kw_only=True):
     created: int
     model: str
     choices: list[CompletionStreamChoice]
-    usage: Usage | None = None
+    usage: Usage | None | UnsetType = UNSET
+    """Left out unless every chunk carries usage, as vLLM leaves it out."""
 
 
 # --------------------------------------------------------------------------- derender

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from tokenline.services.derender.bounds import (
     DerenderSettings,
@@ -24,7 +25,7 @@ from tokenline.services.derender.bounds import (
     model_name,
 )
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
-from tokenline.services.derender.echo import Echo, chat_echo, chat_role, completion_echo
+from tokenline.services.derender.echo import Echo, completion_echo
 from tokenline.services.derender.logprobs import decoded_prompt_logprobs
 from tokenline.services.derender.parsing import ChatParsing, delta_fields
 from tokenline.services.derender.parts import (
@@ -38,7 +39,7 @@ from tokenline.services.derender.parts import (
 )
 from tokenline.services.derender.whole import derender_chat, derender_completion
 from tokenline.shared.errors import BadRequest
-from tokenline.shared.kinds import Kind, KindName
+from tokenline.shared.kinds import Kind, KindName, chat_echo, chat_role
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     ChatCompletionChunk,
@@ -78,7 +79,7 @@ class StreamCall(msgspec.Struct, gc=False):
     """Chat with parsers configured: how this request's choices are parsed."""
 
 
-def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> ChatStreamChoice:
+def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> ChatStreamChoice | None:
     request: ChatCompletionRequest | None = call.request
     first = not call.state.role_sent
     call.state.role_sent = True
@@ -92,16 +93,21 @@ def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> Chat
         delta=Delta(role=chat_role(request) if first else None, content=text),
         logprobs=chat_logprobs(call.tok, out, request),
         finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
+        stop_reason=UNSET if out.finish_reason is None else out.stop_reason,
         token_ids=if_asked(request, out.token_ids),
     )
 
 
+EMPTY_DELTA = Delta()
+
+
 def _parsed_stream_choice(
     call: StreamCall, parsing: ChatParsing, index: int, out: ChoiceOutput, first: bool
-) -> ChatStreamChoice:
+) -> ChatStreamChoice | None:
     """A chunk's delta through the parsers, which carry their state in the stream state; tool
-    calls come whole with the last chunk, and every chunk carries its own tokens' logprobs."""
+    calls come whole with the last chunk, and every chunk carries its own tokens' logprobs.
+    None: the parsers show nothing of the chunk and it has nothing else to show (no logprobs,
+    token IDs or finish), which vLLM does not stream either."""
     request = parsing.request
     final = out.finish_reason is not None
     pieces, call.state.parser = parsing.pieces(out.token_ids, out.text, final, call.state.parser)
@@ -114,20 +120,25 @@ def _parsed_stream_choice(
     if first and request.echo:
         content = chat_echo(request) + (content or "")
     shown = parsing.shows_metadata
+    delta = Delta(
+        role=chat_role(request) if first else None,
+        content=content or None,
+        reasoning=reasoning,
+        tool_calls=calls,
+    )
+    logprobs = chat_logprobs(call.tok, out, request) if shown else None
+    token_ids = if_asked(request, out.token_ids) if shown else None
+    if not final and delta == EMPTY_DELTA and logprobs is None and token_ids is None:
+        return None
     return ChatStreamChoice(
         index=index,
-        delta=Delta(
-            role=chat_role(request) if first else None,
-            content=content or None,
-            reasoning=reasoning,
-            tool_calls=calls,
-        ),
-        logprobs=chat_logprobs(call.tok, out, request) if shown else None,
+        delta=delta,
+        logprobs=logprobs,
         finish_reason=parsing.finish_reason(out.finish_reason, calls is not None)
         if final
         else None,
-        stop_reason=out.stop_reason,
-        token_ids=if_asked(request, out.token_ids) if shown else None,
+        stop_reason=out.stop_reason if final else UNSET,
+        token_ids=token_ids,
     )
 
 
@@ -185,8 +196,8 @@ def _chat_chunk(
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=usage,
-        prompt_token_ids=_first_ids(call),
+        usage=UNSET if usage is None else usage,
+        prompt_token_ids=UNSET if (ids := _first_ids(call)) is None else ids,
     )
 
 
@@ -198,7 +209,7 @@ def _completion_chunk(
         created=int(time.time()),
         model=model,
         choices=choices,
-        usage=usage,
+        usage=UNSET if usage is None else usage,
     )
 
 
@@ -293,7 +304,9 @@ def derender_stream(
     if c is not None:
         out = decode_choice(tok, opts, state, c)
         if not state.stopped or out.stop_string is not None:
-            choices.append(pieces.stream_choice(call, c.index + req.choice_offset, out))
+            choice = pieces.stream_choice(call, c.index + req.choice_offset, out)
+            if choice is not None:
+                choices.append(choice)
         if out.stop_string is not None:
             match = StopMatch(stop=out.stop_string, completion_tokens=state.completion_tokens)
     # a chunk passed on by the proxy (`chunk_id`) shows no usage: the proxy counts it itself,

@@ -5,8 +5,11 @@
 * completions: with `echo`, each choice starts with its prompt's text and, with `logprobs`,
   the prompt tokens' logprobs (from the engine's prompt logprobs, the first position null).
 
-A stream shows the echo once per choice, in its first chunk (vLLM sends chat's in a chunk of its
-own right after the role's; here it leads the first chunk's content, which reads the same).
+A stream shows the echo once per choice, in its first chunk: for chat, with the role, ahead of
+the first text (as vLLM's own scale-out derender does). tokenline's proxy asks for neither: it
+opens a chat stream as monolithic vLLM does, with a role chunk per choice and then an echo chunk
+per choice of their own (`proxy/flow.py`, `StreamFlow.opening`). `chat_role` and `chat_echo`
+live in `shared/kinds.py`, for both.
 """
 
 from __future__ import annotations
@@ -18,36 +21,11 @@ from tokenline.services.derender.parts import is_id_list
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
-    ChatCompletionRequest,
     CompletionLogprobs,
     CompletionRequest,
     PromptLogprobs,
     nth_prompt,
 )
-
-RESPONSE_ROLE = "assistant"
-"""vLLM's `--response-role` default."""
-
-
-def chat_role(request: ChatCompletionRequest | None) -> str:
-    """The answer's role (vLLM's `get_chat_request_role`): the response role after a
-    generation prompt, else the last message's role (the model continues that message)."""
-    if request is None or request.add_generation_prompt:
-        return RESPONSE_ROLE
-    return request.messages[-1].role
-
-
-def chat_echo(request: ChatCompletionRequest | None) -> str:
-    """What `echo` puts ahead of each choice's content: the last message's text (its text
-    parts joined by newlines) when that message has the answer's role, else nothing."""
-    if request is None or not request.echo:
-        return ""
-    last = request.messages[-1]
-    if last.role != chat_role(request) or not last.content:
-        return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(part.text or "" for part in last.content)
 
 
 @dataclass(frozen=True)

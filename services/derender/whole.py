@@ -14,7 +14,7 @@ from tokenline.services.derender.bounds import (
     model_name,
 )
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
-from tokenline.services.derender.echo import Echo, chat_echo, chat_role, completion_echo
+from tokenline.services.derender.echo import Echo, completion_echo
 from tokenline.services.derender.logprobs import decoded_prompt_logprobs
 from tokenline.services.derender.parsing import ChatParsing, tool_calls_of
 from tokenline.services.derender.parts import (
@@ -27,6 +27,7 @@ from tokenline.services.derender.parts import (
     usage_of,
 )
 from tokenline.shared.errors import BadRequest
+from tokenline.shared.kinds import chat_echo, chat_role
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     AssistantMessage,

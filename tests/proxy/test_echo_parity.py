@@ -133,10 +133,13 @@ def _add(slot: dict[str, Any], c: dict[str, Any], kind: str) -> None:
 
 
 def _firsts(chunks: list[dict[str, Any]], kind: str) -> dict[int, str]:
-    """What the first chunk of each choice shows."""
+    """What the first chunk of each choice shows (chat: after its role chunk)."""
     out: dict[int, str] = {}
     for chunk in chunks:
         for c in chunk["choices"]:
+            if kind == "chat" and "role" in c["delta"]:
+                assert c["delta"]["content"] == ""
+                continue
             text = (c["delta"].get("content") or "") if kind == "chat" else c["text"]
             out.setdefault(c["index"], text)
     return out
@@ -173,7 +176,8 @@ def _compare_stream(
 ) -> None:
     theirs, mine = _chunks(oracle, kind, served, case), _chunks(ours, kind, served, case)
     assert _assembled(mine, kind) == _assembled(theirs, kind), case
-    # each choice's echo comes first, whole, in its first chunk (chat's in vLLM's own chunk)
+    # each choice's echo comes first, whole, in its first chunk (chat's in a chunk of its own
+    # after the role's, on both sides)
     firsts = _firsts(mine, kind)
     assert set(firsts) == set(_firsts(theirs, kind))
     for index, text in firsts.items():

@@ -311,10 +311,13 @@ def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7])
     flow.call(0, c)
-    assert flow.accept(0, c.choices[0], answer(2, None)) is None  # nothing to send yet (held back)
+    opening = flow.accept(0, c.choices[0], answer(2, None))  # no text yet (held back)
+    assert opening is not None and opening.chunk is None and opening.tokens == 0
     flow.call(0, c)
     emission = flow.accept(0, c.choices[0], answer(3, "abc"))
     assert emission is not None and emission.tokens == 3
+    flow.call(0, c)
+    assert flow.accept(0, c.choices[0], answer(4, None)) is None  # nothing to send
 
 
 def test_a_stop_string_ends_the_choice_early_and_asks_for_an_abort() -> None:
@@ -340,7 +343,7 @@ def test_usage_final_and_continuous() -> None:
         c = chunk(0, [7], finish="stop")
         flow.call(p, c)
         emission = flow.accept(p, c.choices[0], answer(2, "x"))
-        assert emission is not None and emission.chunk.usage is None
+        assert emission is not None and emission.chunk.usage is msgspec.UNSET  # left out
     final = flow.final_chunk()
     assert final is not None and final["object"] == "chat.completion.chunk"
     usage = final["usage"]
@@ -458,17 +461,119 @@ def test_without_echo_every_call_carries_the_one_view() -> None:
     assert chat.first_views == [chat.view]
 
 
-def test_a_chat_first_call_carries_the_last_message_when_role_or_echo_need_it() -> None:
+def test_a_chat_first_call_carries_no_prompt() -> None:
+    """The proxy shows a chat stream's role and echo itself (`StreamFlow.opening`): derender's
+    first call carries the stub, as every other call does."""
     history = '[{"role": "user", "content": "q"}, {"role": "assistant", "content": "So"}]'
-    for extra, content in (
-        (', "echo": true', "So"),
-        (', "add_generation_prompt": false', None),
-    ):
+    for extra in (', "echo": true', ', "add_generation_prompt": false'):
         body = '{"messages": ' + history + ', "stream": true' + extra + "}"
         flow = StreamFlow(CHAT, CHAT_REQUEST.decode(body.encode()), Rendered.of([gen()], "n"))
-        (message,) = flow.first_views[0].request.messages
-        assert (message.role, message.content) == ("assistant", content)
-        assert flow.view.request.messages[0].content == ""  # later calls: the stub
+        assert flow.first_views == [flow.view]
+        assert flow.view.request.messages[0].content == ""  # the stub
+
+
+def first_answer(text: str | None, index: int = 0, **choice: object) -> DerenderChatStreamResponse:
+    """derender's answer to a choice's first call: the role, and the prompt's IDs when asked."""
+    delta = Delta(role="assistant", content=text)
+    choices = [ChatStreamChoice(index=index, delta=delta, **choice)]  # type: ignore[arg-type]
+    return DerenderChatStreamResponse(
+        chunk=ChatCompletionChunk(
+            id="x", created=7, model="tiny", choices=choices, prompt_token_ids=[1, 2, 3]
+        ),
+        stream_state=DerenderStreamState(completion_tokens=1, role_sent=True),
+    )
+
+
+def chat_flow(extra: str, n: int = 1) -> StreamFlow:
+    history = '[{"role": "user", "content": "q"}, {"role": "assistant", "content": "So"}]'
+    body = '{"messages": ' + history + ', "stream": true' + extra + "}"
+    return StreamFlow(CHAT, CHAT_REQUEST.decode(body.encode()), Rendered.of([gen(n=n)], "n"))
+
+
+def test_a_chat_stream_opens_as_vllm_s_with_a_role_chunk_per_choice_then_the_echo() -> None:
+    flow = chat_flow(
+        ', "n": 2, "echo": true, "add_generation_prompt": false, "return_token_ids": true'
+        ', "stream_options": {"include_usage": true, "continuous_usage_stats": true}',
+        n=2,
+    )
+    c = chunk(1, [7])
+    flow.call(0, c)
+    emission = flow.accept(0, c.choices[0], first_answer("a", index=1))
+    assert emission is not None and emission.opening is not None
+    opening = [msgspec.json.decode(JSON.encode(x)) for x in emission.opening]
+    usage = {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    usage["completion_tokens_details"] = None  # type: ignore[assignment]
+    head = {"id": "r1", "object": "chat.completion.chunk", "created": 7, "model": "tiny"}
+    assert opening == [
+        head
+        | {
+            "choices": [
+                {
+                    "index": i,
+                    # the answer continues the last message (its role), whose text is echoed
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": [1, 2, 3],
+            "prompt_text": None,
+            "usage": usage,
+        }
+        for i in (0, 1)
+    ] + [
+        head
+        | {
+            "choices": [
+                {"index": i, "delta": {"content": "So"}, "logprobs": None, "finish_reason": None}
+            ],
+            "usage": usage,
+        }
+        for i in (0, 1)
+    ]
+    shown = emission.chunk
+    assert shown is not None and shown.choices[0].delta == Delta(content="a")
+    assert shown.prompt_token_ids is msgspec.UNSET
+    assert emission.chunks() == [*emission.opening, shown]
+    # choice 0's first answer: its role taken off, and no opening again
+    c = chunk(0, [8])
+    flow.call(0, c)
+    again = flow.accept(0, c.choices[0], first_answer("b"))
+    assert again is not None and again.opening is None
+    assert again.chunk is not None and again.chunk.choices[0].delta == Delta(content="b")
+
+
+def test_the_opening_follows_the_request() -> None:
+    """No prompt IDs unless asked, no usage unless on every chunk, no echo unless asked."""
+    flow = chat_flow("")
+    c = chunk(0, [7])
+    flow.call(0, c)
+    emission = flow.accept(0, c.choices[0], first_answer(""))
+    assert emission is not None and emission.opening is not None
+    (role,) = [msgspec.json.decode(JSON.encode(x)) for x in emission.opening]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["prompt_token_ids"] is None and "usage" not in role
+    # a held-back token's chunk still shows its empty content, as vLLM's does
+    assert emission.chunk is not None and emission.chunk.choices[0].delta == Delta(content="")
+
+
+def test_a_first_chunk_a_parser_shows_nothing_of_is_not_streamed() -> None:
+    """With parsers, vLLM streams no chunk for tokens the parser holds back (unless it has
+    logprobs, token IDs or a finish to show); derender's first chunk of such tokens carries
+    only the role, which the opening shows: nothing of it is left to stream."""
+    flow = chat_flow("")
+    c = chunk(0, [7])
+    flow.call(0, c)
+    emission = flow.accept(0, c.choices[0], first_answer(None))
+    assert emission is not None and emission.opening is not None and emission.chunk is None
+    held = chat_flow("")
+    held.call(0, c)
+    finished = held.accept(0, c.choices[0], first_answer(None, finish_reason="length"))
+    assert finished is not None and finished.chunk is not None  # a finish is streamed
+    batch = chat_flow("")  # tokenline's batch answer says its chunk is shown: no longer so
+    batch.call(0, c)
+    emission = batch.accept(0, c.choices[0], counted(first_answer(None), 1))
+    assert emission is not None and emission.chunk is None
 
 
 def test_prompt_logprobs_ride_on_the_first_chunk_of_each_choice() -> None:
