@@ -211,23 +211,18 @@ def test_answers_equal_monolithic_vllm(
 
 
 ROLE_CHUNK = {"role": "assistant", "content": ""}
-"""The chunk monolithic vLLM opens each chat choice with; tokenline shows the role on the
-choice's first text chunk instead (README: "Where a client can still tell")."""
+"""The chunk a chat stream opens each choice with, on both sides (test_shape_parity)."""
 
 
 def _deltas(raw: bytes) -> list[Any]:
-    """Each chunk's delta (the one choice's), in order, vLLM's own role chunk left out and the
-    role taken off tokenline's first chunk."""
+    """Each chunk's delta (the one choice's), in order, after the role chunk."""
     deltas = []
     for payload in sse_payloads(raw):
         choices = json.loads(payload)["choices"]
         if choices:  # (not a usage-only chunk)
             deltas.append(dict(choices[0]["delta"]))
-    if deltas and deltas[0] == ROLE_CHUNK:
-        return deltas[1:]
-    if deltas:
-        deltas[0].pop("role", None)
-    return deltas
+    assert deltas[0] == ROLE_CHUNK
+    return deltas[1:]
 
 
 def test_every_chunk_carries_its_text_as_vllm_s_do(fleet: Fleet, pipeline: Pipeline) -> None:
