@@ -75,15 +75,21 @@ def _answers(url: str, path: str, body: dict[str, Any]) -> list[Any]:
 
 
 def _shape(x: Any) -> Any:
-    """Keys all the way down, no values (but for null or not): what merging tokens into fewer
-    chunks leaves alone. A list is the shapes of its objects, if any."""
+    """Keys all the way down, no values: what merging tokens into fewer chunks leaves alone
+    (a value that is null in one chunk and set in another, say the prompt's IDs in a first
+    chunk merged into a later one, is not a difference). A list is its objects' keys."""
     if isinstance(x, dict):
-        if x and not any(k.isidentifier() for k in x):  # completions' top logprobs, by token
-            return "by token"
-        return {k: _shape(v) for k, v in x.items()}
+        return {k: _by_token(v) if k == "top_logprobs" else _shape(v) for k, v in x.items()}
     if isinstance(x, list):
-        return sorted({_frozen(_shape(v)) for v in x if isinstance(v, dict)}) or "list"
-    return x is None
+        return sorted({_frozen(_shape(v)) for v in x if isinstance(v, dict)}) or None
+    return None
+
+
+def _by_token(x: Any) -> Any:
+    """Completions' top logprobs are objects keyed by token (chat's name the token inside)."""
+    if isinstance(x, list) and any(isinstance(v, dict) and "token" not in v for v in x):
+        return "by token"
+    return _shape(x)
 
 
 def _frozen(x: Any) -> str:
