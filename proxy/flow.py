@@ -4,7 +4,8 @@ What the proxy asks of each hop and what it makes of the answers lives here: the
 built from render's output (and the P/D prefill leg's variant of it), the derender call for each
 generate chunk, the bookkeeping of every choice of a stream (derender's state, whether it ended,
 whether a stop string ended it early so the engine must be aborted), the client chunk with its
-index remapped across prompts and `n`, usage, and the token counts behind the ITL metric.
+index remapped across prompts and `n`, a chat stream's opening chunks (vLLM's role and echo
+chunks), usage, and the token counts behind the ITL metric.
 `proxy/stream.py` drives it with real hops; tests drive it with plain values.
 """
 
