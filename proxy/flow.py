@@ -495,8 +495,8 @@ class StreamFlow:
     prefixes: dict[int, bytes] = field(default_factory=dict)
     """Per prompt: the body its calls passed on share up to their chunk (`StreamCall.prefix`)."""
     first_views: list[DerenderView] = field(init=False)
-    """Per prompt: the view its choices' first calls carry (`view` unless echo or the role
-    needs the prompt), each encoded once."""
+    """Per prompt: the view its choices' first calls carry (`view` unless a completions echo
+    needs the prompt: chat's role and echo are the proxy's to show), each encoded once."""
     continuous_usage: bool = field(init=False)
     """Every chunk carries usage (`stream_options.continuous_usage_stats`)."""
     n: int = field(init=False)
@@ -672,8 +672,9 @@ class StreamFlow:
             return emission
         self.opened = True
         opening = self.opening(chunk, prog.reasoning_tokens is not None)
-        if emission is None:
-            return Emission(None, 0, opening)
+        if emission is None:  # the opening is what the client gets first: its tokens' too
+            tokens, prog.unsent_tokens = prog.unsent_tokens, 0
+            return Emission(None, tokens, opening)
         return msgspec.structs.replace(emission, opening=opening)
 
     def opening(self, chunk: ChatCompletionChunk, reasoning: bool) -> list[dict[str, Any]]:

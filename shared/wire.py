@@ -502,11 +502,12 @@ class AssistantMessage(Wire, kw_only=True):
     tool_calls: list[ToolCall] | UnsetType = UNSET
     """Left out when there are none, as vLLM leaves them out (the OpenAI SDK then reads None,
     not an empty list)."""
-    # OpenAI's fields tokenline never fills, null as vLLM shows them
-    refusal: None = None
-    annotations: None = None
-    audio: None = None
-    function_call: None = None
+    # OpenAI's fields tokenline never fills, null as vLLM shows them (`Any`: a vLLM derender
+    # in the pool may fill one, which then passes through)
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class ChatChoice(Wire, kw_only=True):
@@ -516,18 +517,19 @@ class ChatChoice(Wire, kw_only=True):
     finish_reason: str | None = "stop"
     stop_reason: StopReason = None
     token_ids: list[int] | None = None
-    routed_experts: None = None
+    routed_experts: Any = None
 
 
 class WholeAnswerNulls(Wire, kw_only=True):
     """The keys of a whole answer that vLLM shows and tokenline never fills: null, as in
-    vLLM's. (No `system_fingerprint`: vLLM's names its server's config, which a front end
-    over a pool of engines does not have; null is vLLM's own `--fingerprint-mode none`.)"""
+    vLLM's (`Any`: a vLLM derender in the pool may fill one, say `metrics`, which then passes
+    through). No `system_fingerprint`: vLLM's names its server's config, which a front end
+    over a pool of engines does not have; null is vLLM's own `--fingerprint-mode none`."""
 
-    service_tier: None = None
-    system_fingerprint: None = None
-    ec_transfer_params: None = None
-    metrics: None = None
+    service_tier: Any = None
+    system_fingerprint: Any = None
+    ec_transfer_params: Any = None
+    metrics: Any = None
 
 
 class ChatCompletion(WholeAnswerNulls, kw_only=True):
@@ -539,7 +541,7 @@ class ChatCompletion(WholeAnswerNulls, kw_only=True):
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
-    prompt_text: None = None
+    prompt_text: Any = None
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -603,7 +605,7 @@ class CompletionChoice(CompletionStreamChoice, kw_only=True):
     every choice of the prompt, not at the top level as chat does)."""
 
     prompt_logprobs: PromptLogprobs | None = None
-    routed_experts: None = None
+    routed_experts: Any = None
 
 
 class Completion(WholeAnswerNulls, kw_only=True):

@@ -71,7 +71,9 @@ class StreamCall(msgspec.Struct, gc=False):
     chunk: GenerateStreamChunk
     state: ChoiceState
     first: bool
-    """The choice's first call: the one that shows the role and any echo."""
+    """The choice's first call: the one that shows the role and any echo (as vLLM's scale-out
+    derender does; tokenline's proxy takes the role off and shows both in chunks of their own,
+    and so sends chat's first calls without the prompt)."""
     prompt_ids: list[int] | None
     chunk_id: str
     """The id the answer shows: the caller's `chunk_id`, else the generate chunk's."""

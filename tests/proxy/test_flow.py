@@ -311,13 +311,17 @@ def test_tokens_without_a_chunk_count_towards_the_next_one() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7])
     flow.call(0, c)
-    opening = flow.accept(0, c.choices[0], answer(2, None))  # no text yet (held back)
-    assert opening is not None and opening.chunk is None and opening.tokens == 0
+    # a chat stream's first answer with nothing to show: its tokens go with the opening
+    opening = flow.accept(0, c.choices[0], answer(2, None))
+    assert opening is not None and opening.chunk is None and opening.tokens == 2
     flow.call(0, c)
     emission = flow.accept(0, c.choices[0], answer(3, "abc"))
-    assert emission is not None and emission.tokens == 3
+    assert emission is not None and emission.tokens == 1
     flow.call(0, c)
-    assert flow.accept(0, c.choices[0], answer(4, None)) is None  # nothing to send
+    assert flow.accept(0, c.choices[0], answer(5, None)) is None  # nothing to send yet
+    flow.call(0, c)
+    emission = flow.accept(0, c.choices[0], answer(6, "d"))
+    assert emission is not None and emission.tokens == 3
 
 
 def test_a_stop_string_ends_the_choice_early_and_asks_for_an_abort() -> None:

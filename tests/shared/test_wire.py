@@ -20,6 +20,7 @@ from tokenline.shared.wire import (
     GENERATE_REQUEST,
     GENERATE_RESPONSE,
     JSON,
+    ChatCompletion,
     ChatCompletionRequest,
     DerenderChatItem,
     DerenderChatRequest,
@@ -198,3 +199,22 @@ def test_per_token_structs_stay_out_of_the_garbage_collector(tiny_tok: ModelToke
     assert not gc.is_tracked(state)
     assert not gc.is_tracked(ChoiceState.start([1, 2], tiny_tok, ChoiceOptions()))
     assert not gc.is_tracked(Decoded("a", [97]))
+
+
+def test_whole_answers_show_vllm_s_nulls_and_pass_a_filled_one_through() -> None:
+    """A whole answer carries the keys vLLM shows as null (tokenline fills none of them); one a
+    vLLM derender in the pool fills (its engine's `metrics`, say) is read and passed on."""
+    message = {"role": "assistant", "content": "x"}
+    body = {"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "message": message}]}
+    shown = msgspec.json.decode(
+        msgspec.json.encode(msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletion))
+    )
+    for key in ("service_tier", "system_fingerprint", "metrics", "prompt_text"):
+        assert key in shown and shown[key] is None
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(
+        shown["choices"][0]["message"]
+    )
+    filled = msgspec.json.decode(
+        msgspec.json.encode(body | {"metrics": {"ttft": 0.1}}), type=ChatCompletion
+    )
+    assert filled.metrics == {"ttft": 0.1}
