@@ -697,8 +697,9 @@ class StreamFlow:
         role = {"role": chat_role(client), "content": ""}
         out = [
             head
-            | {"choices": [_opening_choice(i, role)], "prompt_token_ids": ids, "prompt_text": None}
+            | {"choices": [_opening_choice(i, role)]}
             | tail
+            | {"prompt_token_ids": ids, "prompt_text": None}
             for i in range(self.n)
         ]
         if echo := chat_echo(client):

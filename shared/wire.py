@@ -496,18 +496,20 @@ class CompletionLogprobs(Wire, kw_only=True):
 
 
 class AssistantMessage(Wire, kw_only=True):
+    """A whole chat answer's message, its keys in vLLM's order. OpenAI's fields tokenline never
+    fills are null, as vLLM shows them (`Any`: a vLLM derender in the pool may fill one, which
+    then passes through)."""
+
     role: str = "assistant"
     content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[ToolCall] | UnsetType = UNSET
-    """Left out when there are none, as vLLM leaves them out (the OpenAI SDK then reads None,
-    not an empty list)."""
-    # OpenAI's fields tokenline never fills, null as vLLM shows them (`Any`: a vLLM derender
-    # in the pool may fill one, which then passes through)
     refusal: Any = None
     annotations: Any = None
     audio: Any = None
     function_call: Any = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    """Left out when there are none, as vLLM leaves them out (the OpenAI SDK then reads None,
+    not an empty list)."""
+    reasoning: str | None = None
 
 
 class ChatChoice(Wire, kw_only=True):
@@ -520,29 +522,26 @@ class ChatChoice(Wire, kw_only=True):
     routed_experts: Any = None
 
 
-class WholeAnswerNulls(Wire, kw_only=True):
-    """The keys of a whole answer that vLLM shows and tokenline never fills: null, as in
-    vLLM's (`Any`: a vLLM derender in the pool may fill one, say `metrics`, which then passes
-    through). No `system_fingerprint`: vLLM's names its server's config, which a front end
-    over a pool of engines does not have; null is vLLM's own `--fingerprint-mode none`."""
+class ChatCompletion(Wire, kw_only=True):
+    """A whole chat answer, its keys in vLLM's order. The keys vLLM shows that tokenline never
+    fills are null (`Any`: a vLLM derender in the pool may fill one, say `metrics`, which then
+    passes through). `system_fingerprint` too: vLLM's names its server's config, which a front
+    end over pools of engines does not have; null is vLLM's own `--fingerprint-mode none`."""
 
-    service_tier: Any = None
-    system_fingerprint: Any = None
-    ec_transfer_params: Any = None
-    metrics: Any = None
-
-
-class ChatCompletion(WholeAnswerNulls, kw_only=True):
     id: str
     object: str = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
+    service_tier: Any = None
+    system_fingerprint: Any = None
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     prompt_text: Any = None
     kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: Any = None
+    metrics: Any = None
 
 
 class DeltaFunction(Out, kw_only=True):
@@ -600,22 +599,36 @@ class CompletionStreamChoice(Wire, kw_only=True):
     token_ids: list[int] | None = None
 
 
-class CompletionChoice(CompletionStreamChoice, kw_only=True):
-    """A whole answer's choice: a stream's, plus its prompt's logprobs (vLLM shows them on
-    every choice of the prompt, not at the top level as chat does)."""
+class CompletionChoice(Wire, kw_only=True):
+    """A whole answer's choice: a stream's fields (in vLLM's whole order, not its stream's),
+    plus its prompt's logprobs (vLLM shows them on every choice of the prompt, not at the top
+    level as chat does)."""
 
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: StopReason = None
+    token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
     routed_experts: Any = None
 
 
-class Completion(WholeAnswerNulls, kw_only=True):
+class Completion(Wire, kw_only=True):
+    """A whole completions answer, its keys in vLLM's order (its nulls: `ChatCompletion`)."""
+
     id: str
     object: str = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
+    service_tier: Any = None
+    system_fingerprint: Any = None
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: Any = None
+    metrics: Any = None
 
 
 class CompletionChunk(Wire, kw_only=True):

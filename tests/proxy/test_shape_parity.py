@@ -1,6 +1,6 @@
 """What a client gets has monolithic `vllm serve`'s shape, key for key: a chat stream opens
 with vLLM's role chunk per choice (then its echo chunks), every chunk carries the keys vLLM's
-carry and no others, and a whole answer shows vLLM's nulls.
+carry and no others, and a whole answer shows vLLM's nulls, its keys in vLLM's order.
 
 Two things are left out of every comparison: the ids and creation times, and vLLM's
 `system_fingerprint` (a hash of its server's config, which tokenline, a front end over pools of
@@ -92,6 +92,16 @@ def _by_token(x: Any) -> Any:
     return _shape(x)
 
 
+def _order(x: Any) -> Any:
+    """The keys all the way down, in the order they were written (a client that compares
+    bytes, or prints answers, sees it)."""
+    if isinstance(x, dict):
+        return [(k, _order(v)) for k, v in x.items()]
+    if isinstance(x, list):
+        return [_order(v) for v in x]
+    return None
+
+
 def _frozen(x: Any) -> str:
     return json.dumps(x, sort_keys=True)
 
@@ -112,6 +122,7 @@ def _compare(theirs: list[Any], ours: list[Any], opening: int, case: Any) -> Non
     alike in shape where they stand (a side may have merged every chunk between into the
     last)."""
     assert ours[:opening] == theirs[:opening], case
+    assert _order(ours[:opening]) == _order(theirs[:opening]), case
     mine, vllm_s = _shapes(ours[opening:]), _shapes(theirs[opening:])
     if "between" not in mine or "between" not in vllm_s:
         mine.pop("between", None), vllm_s.pop("between", None)
@@ -129,6 +140,7 @@ def _check(
         theirs, ours = _answers(fleet_url, path, sent), _answers(ours_url, path, sent)
         if not stream:
             assert ours == theirs, body
+            assert _order(ours) == _order(theirs), body
             continue
         chat = path.endswith("chat/completions")
         opening = body.get("n", 1) * (2 if body.get("echo") else 1) if chat else 0
