@@ -35,7 +35,6 @@ from tokenline.shared.wire import (
     ChatStreamChoice,
     CompletionChunk,
     CompletionRequest,
-    Delta,
     DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbs,
@@ -423,22 +422,8 @@ def whole_derender_body(
 # --------------------------------------------------------------------------- stream bookkeeping
 
 
-EMPTY_DELTA = Delta()
-
-
 def _without_role(choice: ChatStreamChoice) -> ChatStreamChoice:
     return msgspec.structs.replace(choice, delta=msgspec.structs.replace(choice.delta, role=None))
-
-
-def _shows_nothing(choice: ChatStreamChoice) -> bool:
-    """A chat choice vLLM does not stream (a parser held its text back, and it has no
-    logprobs, token IDs or finish to show)."""
-    return (
-        choice.delta == EMPTY_DELTA
-        and choice.logprobs is None
-        and choice.token_ids is None
-        and choice.finish_reason is None
-    )
 
 
 def _opening_choice(index: int, delta: dict[str, Any]) -> dict[str, Any]:
@@ -660,7 +645,7 @@ class StreamFlow:
         for (the first call carries the prompt stub, whose last message echoes nothing)."""
         raw = isinstance(answer, (BatchItemAnswer, RawStreamAnswer))
         chunk: ChatCompletionChunk = CHAT_CHUNK.decode(answer.chunk) if raw else answer.chunk
-        choices = [c for c in map(_without_role, chunk.choices) if not _shows_nothing(c)]
+        choices = [c for c in map(_without_role, chunk.choices) if not c.shows_nothing()]
         chunk = msgspec.structs.replace(chunk, choices=choices, prompt_token_ids=UNSET)
         bare = msgspec.Raw(JSON.encode(chunk)) if raw else chunk
         if isinstance(answer, BatchItemAnswer):  # which says whether its chunk shows a choice

@@ -566,6 +566,9 @@ class Delta(Out, kw_only=True):
     tool_calls: list[DeltaToolCall] | None = None
 
 
+EMPTY_DELTA = Delta()
+
+
 class ChatStreamChoice(Wire, kw_only=True):
     index: int
     delta: Delta
@@ -574,6 +577,16 @@ class ChatStreamChoice(Wire, kw_only=True):
     stop_reason: StopReason | UnsetType = UNSET
     """Shown (null too) with a finish reason only, as vLLM shows it in chat streams."""
     token_ids: list[int] | None = None
+
+    def shows_nothing(self) -> bool:
+        """vLLM streams no such choice: no text, role, reasoning or tool call (a parser held
+        the chunk back), and no logprobs, token IDs or finish to show."""
+        return (
+            self.delta == EMPTY_DELTA
+            and self.logprobs is None
+            and self.token_ids is None
+            and self.finish_reason is None
+        )
 
 
 class ChatCompletionChunk(Wire, kw_only=True):

@@ -100,9 +100,6 @@ def _chat_stream_choice(call: StreamCall, index: int, out: ChoiceOutput) -> Chat
     )
 
 
-EMPTY_DELTA = Delta()
-
-
 def _parsed_stream_choice(
     call: StreamCall, parsing: ChatParsing, index: int, out: ChoiceOutput, first: bool
 ) -> ChatStreamChoice | None:
@@ -122,26 +119,22 @@ def _parsed_stream_choice(
     if first and request.echo:
         content = chat_echo(request) + (content or "")
     shown = parsing.shows_metadata
-    delta = Delta(
-        role=chat_role(request) if first else None,
-        content=content or None,
-        reasoning=reasoning,
-        tool_calls=calls,
-    )
-    logprobs = chat_logprobs(call.tok, out, request) if shown else None
-    token_ids = if_asked(request, out.token_ids) if shown else None
-    if not final and delta == EMPTY_DELTA and logprobs is None and token_ids is None:
-        return None
-    return ChatStreamChoice(
+    choice = ChatStreamChoice(
         index=index,
-        delta=delta,
-        logprobs=logprobs,
+        delta=Delta(
+            role=chat_role(request) if first else None,
+            content=content or None,
+            reasoning=reasoning,
+            tool_calls=calls,
+        ),
+        logprobs=chat_logprobs(call.tok, out, request) if shown else None,
         finish_reason=parsing.finish_reason(out.finish_reason, calls is not None)
         if final
         else None,
         stop_reason=out.stop_reason if final else UNSET,
-        token_ids=token_ids,
+        token_ids=if_asked(request, out.token_ids) if shown else None,
     )
+    return None if choice.shows_nothing() else choice
 
 
 def _first_ids(call: StreamCall) -> list[int] | None:
