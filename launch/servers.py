@@ -49,6 +49,11 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 Server = Process  # the name tests use
 
+KV_CACHE_MIB = 128
+"""KV cache of every vLLM here: 128k tokens of the tiny models (at most 1 KiB each), ample for
+any test or benchmark. The launcher's 1 GiB, which an engine's memory grows into as blocks
+come into use, took the suite's nine vLLMs past what a 24 GiB machine has."""
+
 
 def workdir(env: Mapping[str, str] = os.environ) -> Path:
     """Where launched servers and benchmarks keep their files: $TOKENLINE_WORKDIR, else the
@@ -89,6 +94,7 @@ def _peer(
         port=free_port(),
         served_model_name=served,
         prompt_tokens_details=False,
+        kv_cache_mib=KV_CACHE_MIB,
         extra_args=extra,
     )
     return vllm(name, config)
@@ -148,6 +154,7 @@ def generate_role(name: str, model: Path, role: Role, cores: str) -> Process:
         served_model_name="tiny",
         cpu_cores=cores,
         nixl_port=free_port(),
+        kv_cache_mib=KV_CACHE_MIB,
     )
     return vllm(name, config)
 

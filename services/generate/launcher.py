@@ -58,8 +58,9 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Context length."""
     dtype: str = "float32"
     """Weights and activations dtype."""
-    kv_cache_gib: Positive = 1
-    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_mib: Positive = 1024
+    """KV cache size on CPU (`--kv-cache-memory-bytes`). vLLM touches its pages as blocks come
+    into use, so an engine's memory grows to this over its life, not at start."""
     cpu_cores: str | None = None
     """Cores the engine computes on, e.g. 0 or 0-1 (VLLM_CPU_OMP_THREADS_BIND), with one
     OpenMP thread each: P/D engines through the NIXL shim, a one-pool engine by `tokenline
@@ -174,6 +175,8 @@ def engine_args(config: GenerateConfig) -> list[str]:
         # that shares a step's token budget kills the engine. (GPU deployments may append
         # --enable-chunked-prefill: CUDA generators rewind.)
         "--no-enable-chunked-prefill",
+        "--kv-cache-memory-bytes",
+        str(config.kv_cache_mib * 2**20),
     ]
     if config.prompt_tokens_details:
         args.append("--enable-prompt-tokens-details")
@@ -209,11 +212,12 @@ def command(config: GenerateConfig) -> list[str]:
 def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The child's whole environment: `base` plus what vLLM needs offline and per role."""
     env = dict(base)
+    # vLLM's legacy CPU setting overrides --kv-cache-memory-bytes when set, even inherited
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env |= {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
         # One process per instance: starts in ~20 s instead of ~40 s on this CPU.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }

@@ -27,7 +27,7 @@ from tokenline.services.generate.launcher import (
 # What every vLLM that runs the model gets: the differential tests compare their outputs.
 ENGINE = [
     "--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
-    "--no-enable-chunked-prefill",
+    "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(2**30),
 ]  # fmt: skip
 
 
@@ -41,6 +41,8 @@ def test_roles_get_their_connector_settings() -> None:
     env = environment(prefill, {})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    # vLLM's legacy KV setting would override --kv-cache-memory-bytes: never passed on
+    assert "VLLM_CPU_KVCACHE_SPACE" not in environment(prefill, {"VLLM_CPU_KVCACHE_SPACE": "4"})
     decode = GenerateConfig(model="m", role="decode")
     assert json.loads(kv_transfer_config(decode) or "{}")["kv_role"] == "kv_consumer"
 

@@ -48,6 +48,7 @@ def test_seeded_prompt_sharing_a_step_leaves_the_engine_serving(tiny_model: Path
         port=free_port(),
         served_model_name="tiny",
         max_model_len=MAX_MODEL_LEN,
+        kv_cache_mib=servers.KV_CACHE_MIB,
     )
     engine = servers.vllm("test-seeded-prefill", config)
     try:
