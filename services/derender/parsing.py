@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import msgspec
+from tokenizers import Tokenizer as RustTokenizer
 
 from tokenline.services.derender.choice import ChoiceOptions, ReasoningCount
 from tokenline.services.derender.parsers import (
@@ -51,6 +53,7 @@ NEEDS_REQUEST = (
     "detokenization would leak raw parser markup into content."
 )
 MARKS = ("<think>", "</think>")
+TOOL_MARKS = ("<tool_call>", "</tool_call>")
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,9 @@ class ChatParsing:
     flags: ParserFlags
     request: ChatCompletionRequest
     options: ParserOptions
-    marks: tuple[int, int] | None
-    """`<think>` and `</think>`'s IDs, to count reasoning tokens as vLLM does
-    (None: no reasoning parser, or a vocabulary without them)."""
+    marks: ReasoningMarks | None
+    """The token IDs vLLM's reasoning-token count looks at (None: no reasoning parser, or a
+    vocabulary without `<think>` and `</think>`)."""
 
     @classmethod
     def of(
@@ -73,7 +76,8 @@ class ChatParsing:
             return None
         if request is None:
             raise BadRequest(NEEDS_REQUEST, param="chat_request")
-        return cls(flags, request, _options(request, tok), _marks(flags, tok))
+        options = _options(request, tok)
+        return cls(flags, request, options, _marks(flags, tok.rust, options.special_tokens))
 
     @property
     def tool(self) -> str | None:
@@ -148,10 +152,11 @@ class ChatParsing:
         """`so_far` (None: the output's start) advanced over `ids`, the same count chunk by
         chunk as over the whole output: deepseek_r1 counts tokens inside `<think>` spans (a
         depth counter from zero); qwen3's engine counts the tokens it parsed as reasoning,
-        which from the token IDs is: from the start when thinking is on, up to `</think>`, the
-        markers not counted (a `<tool_call>` in reasoning is reasoning; a `<think>` in content
-        is content: its engine never goes back to reasoning), nor a last stop token the text
-        leaves out (`hidden_last`: no text, no reasoning)."""
+        which from the token IDs is: from the start when thinking is on, up to `</think>` or
+        `<tool_call>` (its engine's implicit end of reasoning), but its four tags and the
+        special tokens it drops (a `<think>` in content is content: its engine never goes back
+        to reasoning), nor a last stop token the text leaves out (`hidden_last`: no text, no
+        reasoning)."""
         qwen3 = self.flags.reasoning_parser == "qwen3"
         if so_far is None:
             so_far = ReasoningCount(0, int(qwen3 and self.options.enable_thinking))
@@ -159,13 +164,20 @@ class ChatParsing:
             return so_far
         if hidden_last and qwen3:
             ids = ids[:-1]
-        start, end = self.marks
+        marks = self.marks
         count, depth = so_far.tokens, so_far.depth
+        if qwen3:
+            for token_id in ids:
+                if token_id in marks.ends:
+                    depth = 0
+                elif depth and token_id not in marks.silent:
+                    count += 1
+            return ReasoningCount(count, depth)
         for token_id in ids:
-            if token_id == start:
-                depth += 0 if qwen3 else 1
-            elif token_id == end:
-                depth = 0 if qwen3 else max(0, depth - 1)
+            if token_id == marks.start:
+                depth += 1
+            elif token_id == marks.end:
+                depth = max(0, depth - 1)
             elif depth:
                 count += 1
         return ReasoningCount(count, depth)
@@ -188,14 +200,36 @@ def special_tokens(tok: ModelTokenizer) -> frozenset[str]:
     return frozenset(tok.special_tokens_map.values()) | {t for t in texts if isinstance(t, str)}
 
 
-def _marks(flags: ParserFlags, tok: ModelTokenizer) -> tuple[int, int] | None:
+@dataclass(frozen=True)
+class ReasoningMarks:
+    """The token IDs vLLM's reasoning-token count looks at."""
+
+    start: int
+    """`<think>`: deepseek_r1 counts inside `<think>` ... `</think>` spans."""
+    end: int
+    """`</think>`."""
+    ends: frozenset[int]
+    """What ends qwen3's reasoning: `</think>` and `<tool_call>`."""
+    silent: frozenset[int]
+    """What qwen3's engine never counts: its tags (`<think>`, `</think>`, `<tool_call>`,
+    `</tool_call>`, as token IDs) and the special tokens it drops."""
+
+
+@cache
+def _marks(
+    flags: ParserFlags, rust: RustTokenizer, special: frozenset[str]
+) -> ReasoningMarks | None:
     if flags.reasoning_parser is None:
         return None
-    found = [tok.rust.token_to_id(t) for t in MARKS]
-    if any(i is None for i in found):
+    start, end = (rust.token_to_id(t) for t in MARKS)
+    if start is None or end is None:
         return None
-    start, end = (int(i) for i in found if i is not None)
-    return start, end
+    tags = {rust.token_to_id(t) for t in (*MARKS, *TOOL_MARKS)} | {
+        rust.token_to_id(t) for t in special
+    }
+    tool = rust.token_to_id(TOOL_MARKS[0])
+    ends = frozenset({end} if tool is None else {end, tool})
+    return ReasoningMarks(start, end, ends, frozenset(i for i in tags if i is not None))
 
 
 def _chain_state(raw: dict[str, Any] | None) -> ChainState | None:

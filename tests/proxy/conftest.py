@@ -25,6 +25,7 @@ from tokenline.services.derender.app import make_app as make_derender
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.render.app import make_app as make_render
 from tokenline.services.render.config import RenderConfig
+from tokenline.shared.tokenizer import ModelTokenizer
 
 MAX_MODEL_LEN = ("--max-model-len", "2048")
 
@@ -160,6 +161,14 @@ def coder_pipeline(fleet: Fleet, qwen3_model: Path) -> Iterator[Pipeline]:
     yield p
     for s in p.all():
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def no_spaces(qwen3_tok: ModelTokenizer) -> dict[str, float]:
+    """A `logit_bias` away from whitespace-only tokens on the Qwen3 vocabulary: a JSON grammar
+    (a forced tool call) allows any amount, which a random model writes until `max_tokens`."""
+    ids = range(qwen3_tok.tokenizer_size)
+    return {str(i): -100.0 for i in ids if not qwen3_tok.decode_one(i).strip()}
 
 
 def engine_metric(server: Server, name: str, label: str = "") -> float:

@@ -26,7 +26,6 @@ import pytest
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
-from tokenline.shared.tokenizer import ModelTokenizer
 
 END_THINK = 151668  # </think> in the Qwen3 vocabulary
 ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16}$")
@@ -135,12 +134,6 @@ def cases(pair: str, no_spaces: dict[str, float]) -> list[dict[str, Any]]:
         _base(tools=PLAIN, structured_outputs={"regex": THINK}, include_reasoning=False),
         _base(tools=PLAIN, structured_outputs={"regex": "x" + THINK}, **NO_THINKING),
     ]
-
-
-@pytest.fixture(scope="module")
-def no_spaces(qwen3_tok: ModelTokenizer) -> dict[str, float]:
-    ids = range(qwen3_tok.tokenizer_size)
-    return {str(i): -100.0 for i in ids if not qwen3_tok.decode_one(i).strip()}
 
 
 def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:

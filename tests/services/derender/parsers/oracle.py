@@ -108,6 +108,14 @@ class Vllm:
         reasoning, content, calls = parser.parse(text, request, enable_auto_tools=True)
         return reasoning, content, [(c.name, c.arguments) for c in calls or []]
 
+    def reasoning_tokens(self, case: Case, ids: list[int]) -> int:
+        """vLLM's `completion_tokens_details.reasoning_tokens` for a whole output."""
+        request = self._request(case)
+        parser = self._parser(case, request)
+        text = self.tok.decode(ids)
+        parser.parse(text, request, enable_auto_tools=True, model_output_token_ids=ids)
+        return int(parser.count_reasoning_tokens(ids))
+
     def streamed(self, case: Case, chunks: Sequence[tuple[list[int], str]]) -> Result:
         request = self._request(case)
         parser = self._parser(case, request)
