@@ -28,10 +28,11 @@ from tests.proxy.test_tool_parsing import (
     CODER_CALL,
     END_THINK,
     HERMES_CALL,
-    ID,
     PLAIN,
     SEARCH,
     WEATHER,
+    add_call_delta,
+    calls_of,
 )
 from tokenline.launch.bench.corpus import TEXTS, stop_from
 from tokenline.launch.bench.http import post_raw, sse_payloads
@@ -111,12 +112,6 @@ def parser_case(rng: random.Random, pair: str, no_spaces: dict[str, float]) -> d
     return case
 
 
-def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    for c in calls:
-        assert ID.match(c["id"]) and c["type"] == "function", c
-    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-
-
 def _lp(content: list[dict[str, Any]] | None) -> list[Any] | None:
     """Logprob entries, to 4 decimals as `test_tool_parsing` compares them: with `n` > 1 a
     sibling choice's logprob may move by a float32 ulp (README; exact logprobs: the plain
@@ -140,7 +135,7 @@ def whole_choices(answer: dict[str, Any]) -> dict[int, dict[str, Any]]:
         out[c["index"]] = {
             "content": message.get("content") or None,  # "" and null read the same
             "reasoning": message.get("reasoning"),
-            "calls": _calls(message.get("tool_calls") or []),
+            "calls": calls_of(message.get("tool_calls") or []),
             "end": (c["finish_reason"], c.get("stop_reason")),
             "logprobs": _lp((c.get("logprobs") or {}).get("content")),
         }
@@ -168,11 +163,7 @@ def streamed_choices(raw: bytes) -> tuple[dict[int, dict[str, Any]], Any]:
             if delta.get("reasoning") is not None:
                 slot["reasoning"] = (slot["reasoning"] or "") + delta["reasoning"]
             for call in delta.get("tool_calls") or []:
-                found = slot["calls"].setdefault(call["index"], {"function": {"arguments": ""}})
-                found |= {k: call[k] for k in ("id", "type") if call.get(k)}
-                fn = call.get("function") or {}
-                found["function"]["name"] = fn.get("name") or found["function"].get("name")
-                found["function"]["arguments"] += fn.get("arguments") or ""
+                add_call_delta(slot["calls"], call)
             if c.get("logprobs") is not None:
                 slot["logprobs"] = (slot["logprobs"] or []) + (c["logprobs"]["content"] or [])
             if c.get("finish_reason") is not None:
@@ -182,7 +173,7 @@ def streamed_choices(raw: bytes) -> tuple[dict[int, dict[str, Any]], Any]:
         calls = slot["calls"]
         out[index] = slot | {
             "content": slot["content"] or None,
-            "calls": _calls([calls[i] for i in sorted(calls)]),
+            "calls": calls_of([calls[i] for i in sorted(calls)]),
             "logprobs": _lp(slot["logprobs"]),
         }
     return out, usage

@@ -136,7 +136,17 @@ def cases(pair: str, no_spaces: dict[str, float]) -> list[dict[str, Any]]:
     ]
 
 
-def _calls(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def add_call_delta(calls: dict[int, dict[str, Any]], call: dict[str, Any]) -> None:
+    """One streamed tool-call delta added to the calls so far, by index, as a client joins
+    them (id and type as given, the name once, the arguments appended)."""
+    found = calls.setdefault(call["index"], {"function": {"arguments": ""}})
+    found |= {k: call[k] for k in ("id", "type") if call.get(k)}
+    fn = call.get("function") or {}
+    found["function"]["name"] = fn.get("name") or found["function"].get("name")
+    found["function"]["arguments"] += fn.get("arguments") or ""
+
+
+def calls_of(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
     for c in calls:
         assert ID.match(c["id"]), c["id"]
         assert c["type"] == "function"
@@ -155,7 +165,7 @@ def whole(resp: dict[str, Any]) -> dict[str, Any]:
     return {
         "content": message.get("content"),
         "reasoning": message.get("reasoning"),
-        "calls": _calls(message.get("tool_calls") or []),
+        "calls": calls_of(message.get("tool_calls") or []),
         "finish": choice["finish_reason"],
         "logprobs": _lp(choice.get("logprobs")),
         "usage": resp["usage"],
@@ -178,18 +188,14 @@ def streamed(raw: bytes) -> dict[str, Any]:
             content += [delta["content"]] if delta.get("content") is not None else []
             reasoning += [delta["reasoning"]] if delta.get("reasoning") is not None else []
             for call in delta.get("tool_calls") or []:
-                found = calls.setdefault(call["index"], {"function": {"arguments": ""}})
-                found |= {k: call[k] for k in ("id", "type") if call.get(k)}
-                fn = call.get("function") or {}
-                found["function"]["name"] = fn.get("name") or found["function"].get("name")
-                found["function"]["arguments"] += fn.get("arguments") or ""
+                add_call_delta(calls, call)
             if c.get("logprobs") is not None:
                 logprobs = (logprobs or []) + (c["logprobs"]["content"] or [])
             finish = c["finish_reason"] or finish
     return {
         "content": "".join(content) if content else None,
         "reasoning": "".join(reasoning) if reasoning else None,
-        "calls": _calls([calls[i] for i in sorted(calls)]),
+        "calls": calls_of([calls[i] for i in sorted(calls)]),
         "finish": finish,
         "logprobs": _lp({"content": logprobs}) if logprobs is not None else None,
         "usage": usage,
