@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from tokenline.proxy.admission import Admission
-from tokenline.proxy.channel import ZmqDerender
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.hops import Hops, Timeouts
@@ -131,8 +130,6 @@ def derender_transport(
         return BatchedDerender(
             client, pool, policy, metrics, limits, wait=config.derender_batch_wait
         )
-    if config.derender_transport == "zmq":
-        return ZmqDerender(client, pool, policy, metrics, limits)
     return HttpDerender(client, pool, policy, metrics, limits)
 
 

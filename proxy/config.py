@@ -44,11 +44,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     generate_api_key: str | None = None
     """Sent as `Authorization: Bearer <key>` on every call to a generate replica (vLLM's
     `--api-key` / VLLM_API_KEY); render and derender never see it."""
-    derender_transport: Literal["http", "zmq", "batched"] = "http"
-    """How stream chunks reach derender: http (vLLM's routes, one call per chunk), zmq (the
-    address derender advertises at /v1/zmq) or batched (the chunks of every stream in one call
-    per derender replica, `derender_batch_wait`, over one batch socket per replica; tokenline's
-    derender only)."""
+    derender_transport: Literal["http", "batched"] = "http"
+    """How stream chunks reach derender: http (vLLM's routes, one call per chunk; any
+    vLLM-compatible derender) or batched (the chunks of every stream in one call per derender
+    replica, `derender_batch_wait`, over one batch socket per replica; tokenline's derender
+    only)."""
     derender_batch_wait: Seconds = 0.006
     """batched: longest a call waits for the chunks other streams get in the same engine step
     (a batch goes as soon as every stream's chunk is in). vLLM's API server writes a step's

@@ -1,7 +1,6 @@
-"""The derender hop behind one protocol, with three transports.
+"""The derender hop behind one protocol, with two transports.
 
 * `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
-* `ZmqDerender` (proxy/channel.py): msgpack calls over one DEALER socket per replica.
 * `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one call per
   derender replica (tokenline's batch calls, over one batch socket per replica: `proxy/sockets.py`;
   an item's error is that item's).

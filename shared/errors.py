@@ -20,7 +20,7 @@
 
 Raise anywhere. `as_service_error` is the one place any exception becomes one of these (msgspec's
 decode and validation errors are the client's 400, aiohttp's HTTP exceptions keep their status,
-anything else is a logged 500); the HTTP middleware, in-band SSE errors and the ZMQ channel all
+anything else is a logged 500); the HTTP middleware, in-band SSE errors and the batch socket all
 answer with its `to_wire()`, vLLM's envelope `{"error": {"message", "type", "param", "code"}}`.
 """
 

@@ -155,7 +155,7 @@ class Kind:
 
     @functools.cached_property
     def derender_json(self) -> msgspec.json.Decoder[Any]:
-        """A derender call's body (vLLM's JSON route); `derender_msgpack` the same over ZMQ."""
+        """A derender call's body (vLLM's JSON route)."""
         return msgspec.json.Decoder(self.derender_request)
 
     @functools.cached_property
@@ -165,16 +165,8 @@ class Kind:
         return msgspec.json.Decoder(batch)
 
     @functools.cached_property
-    def derender_msgpack(self) -> msgspec.msgpack.Decoder[Any]:
-        return msgspec.msgpack.Decoder(self.derender_request)
-
-    @functools.cached_property
     def stream_answer_json(self) -> msgspec.json.Decoder[Any]:
         return msgspec.json.Decoder(self.stream_answer_type)
-
-    @functools.cached_property
-    def stream_answer_msgpack(self) -> msgspec.msgpack.Decoder[Any]:
-        return msgspec.msgpack.Decoder(self.stream_answer_type)
 
     @property
     def batch_path(self) -> str:

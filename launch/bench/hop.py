@@ -1,6 +1,6 @@
-"""The derender hop's cost per generated token: the vLLM-compatible HTTP hop against the
-persistent ZMQ channel (msgpack frames) and cross-stream batching (one call per derender
-replica for the chunks of one engine step), same proxy code, same load, same run.
+"""The derender hop's cost per generated token: the vLLM-compatible HTTP hop against
+cross-stream batching (one call per derender replica for the chunks of one engine step, over a
+batch socket), same proxy code, same load, same run.
 
 A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
 proxy + derender process CPU seconds (`launch/bench/cpu.py`) divided by the tokens delivered.
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument(
         "--lockstep", action="store_true", help="the double steps every stream at once, as vLLM"
     )
-    parser.add_argument("--transports", nargs="+", default=["http", "zmq", "batched"])
+    parser.add_argument("--transports", nargs="+", default=["http", "batched"])
     parser.add_argument("--no-floor", action="store_true", help="skip the relay floor")
     parser.add_argument(
         "--rounds", type=int, default=1, help="measure each target this many times, in turns"
@@ -167,7 +167,7 @@ def main() -> None:
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
     double = servers.generate_double("hop-double", args.rate, args.lockstep)
     render = servers.tokenline("hop-render", "render", *common)
-    derender = servers.tokenline("hop-derender", "derender", *common, "--zmq-port", "0")
+    derender = servers.tokenline("hop-derender", "derender", *common)
     started = [double, render, derender]
     try:
         servers.start_all(started, 60)

@@ -1,7 +1,7 @@
 """The derender service: `make_app(config)` wires routes, the tokenizer, threads and metrics.
 
 Routes come from the kinds (`shared.kinds`): each kind's vLLM derender route and tokenline's
-batched form of it; the ZMQ channel (`channel.py`) answers the same calls.
+batched form of it, also served over a batch socket (an HTTP connection upgraded to frames).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from tokenline.services.derender.bounds import DerenderSettings
-from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.derender.derender import (
     PIECES,
@@ -157,10 +156,6 @@ async def _one(state: DerenderState, kind: Kind, req: DerenderRequest) -> Any:
     tokens = _tokens(req)
     state.count(int(req.stream), tokens)
     return await state.answer(kind, req, tokens)
-
-
-async def _channel_handle(app: web.Application, kind: Kind, req: DerenderRequest) -> Any:
-    return await _one(app[STATE], kind, req)
 
 
 def _batch_items(kind: Kind, body: bytes) -> list[Any]:
@@ -455,9 +450,6 @@ def make_app(config: DerenderConfig) -> web.Application:
     app[SOCKETS] = set()
     app.cleanup_ctx.append(state_ctx)
     app.on_shutdown.append(close_batch_sockets)
-    if config.zmq_port is not None:
-        app.cleanup_ctx.append(channel_ctx(config.host, config.zmq_port, _channel_handle))
-        app.router.add_get("/v1/zmq", endpoint)
     for kind in KINDS.values():
         single, batch = _handlers(kind)
         app.router.add_post(kind.derender_path, single)

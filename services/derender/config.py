@@ -15,9 +15,6 @@ class DerenderConfig(ParsingService, frozen=True, kw_only=True):
     """Server processes sharing the port (SO_REUSEPORT)."""
     threads: Positive = 2
     """Threads per process for whole-response decoding."""
-    zmq_port: Port | None = None
-    """Also serve derender over ZMQ (msgpack) on this port (0: any free port, advertised at
-    /v1/zmq; unset: HTTP only)."""
 
 
 CLI = CommandLine(DerenderConfig, MODEL_OPTIONS)

@@ -279,24 +279,17 @@ def test_echo_and_prompt_logprobs_through_prefill_and_decode(
     assert after > moved  # the prompts did come over NIXL
 
 
-@pytest.mark.parametrize(
-    ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
-)
+@pytest.mark.parametrize("transport", ["batched"])
 def test_echo_over_every_derender_transport(
-    fleet: Fleet,
-    tiny_model: Path,
-    tiny_tok: ModelTokenizer,
-    transport: str,
-    derender_args: tuple[str, ...],
+    fleet: Fleet, tiny_model: Path, tiny_tok: ModelTokenizer, transport: str
 ) -> None:
-    """The first call's prompt and the prompt logprobs on the first chunk cross msgpack
-    frames and batches as they cross vLLM's JSON routes."""
+    """The first call's prompt and the prompt logprobs on the first chunk cross batches and
+    batch sockets as they cross vLLM's JSON routes."""
     other = start_pipeline(
         f"echo-{transport}",
         tiny_model,
         [fleet.generate.url],
         extra=("--derender-transport", transport),
-        derender_args=derender_args,
     )
     try:
         for kind, case in (

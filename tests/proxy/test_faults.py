@@ -184,25 +184,18 @@ def _assembled(raw: bytes) -> dict[str, object]:
     return {"text": text, "logprobs": logprobs, "finish": finish, "usage": usage}
 
 
-@pytest.mark.parametrize(
-    ("transport", "derender_args"), [("zmq", ("--zmq-port", "0")), ("batched", ())]
-)
+@pytest.mark.parametrize("transport", ["batched"])
 def test_every_derender_transport_gives_the_same_answers(
-    fleet: Fleet,
-    pipeline: Pipeline,
-    tiny_model: Path,
-    transport: str,
-    derender_args: tuple[str, ...],
+    fleet: Fleet, pipeline: Pipeline, tiny_model: Path, transport: str
 ) -> None:
-    """The ZMQ channel (msgpack frames) and cross-stream batching are other hops, not another
-    behavior: the same streams as over vLLM's HTTP derender routes, two derender replicas."""
+    """Cross-stream batching over batch sockets is another hop, not another behavior: the same
+    streams as over vLLM's HTTP derender routes, two derender replicas."""
     other = start_pipeline(
         transport,
         tiny_model,
         [fleet.generate.url],
         derenders=2,
         extra=("--derender-transport", transport),
-        derender_args=derender_args,
     )
     bodies = [
         {**LONG, "max_tokens": 20, "logprobs": True, "top_logprobs": 2},

@@ -7,26 +7,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import pytest
 import uvloop
-import zmq
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.frames import Frames
 from tokenline.proxy import transport as transport_module
-from tokenline.proxy.channel import Connection, ZmqDerender
 from tokenline.proxy.flow import StreamCall
 from tokenline.proxy.h1 import Client, Limits
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.pool import Pool
 from tokenline.proxy.retry import RetryPolicy
 from tokenline.proxy.transport import BatchedDerender, HttpDerender
-from tokenline.services.derender.channel import channel_ctx, endpoint
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -41,7 +38,6 @@ from tokenline.shared.wire import (
     GenerateStreamChoice,
     GenerateStreamChunk,
 )
-from tokenline.shared.zmq import CALL, MSGPACK, Call, Reply
 
 RAW = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
 LIMITS = Limits(connect=5, read=30)
@@ -608,74 +604,6 @@ def _content(answer: Any) -> str | None:
     return content
 
 
-async def test_first_zmq_calls_at_once_share_one_socket(client: Client) -> None:
-    """Calls that find no socket to a replica yet wait for the one opened first: each opened
-    its own before, the last replaced the others and they leaked (`close` then hung)."""
-    app = web.Application()
-
-    async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
-        token = req.generate_chunk.choices[0].token_ids[0]
-        return answer_for({"generate_chunk": {"choices": [{"token_ids": [token]}]}})
-
-    app.cleanup_ctx.append(channel_ctx("127.0.0.1", 0, handle))
-    app.router.add_get("/v1/zmq", endpoint)
-    server = TestServer(app)
-    await server.start_server()
-    pool = Pool("derender", (str(server.make_url("")).rstrip("/"),))
-    transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
-    opened = []
-    socket = transport.context.socket
-
-    def counted(kind: int) -> Any:
-        opened.append(kind)
-        return socket(kind)
-
-    transport.context.socket = counted  # type: ignore[method-assign]
-    try:
-        answers = await asyncio.gather(*(transport.stream(call(t)) for t in range(4)))
-        assert [_content(a) for a in answers] == ["0", "1", "2", "3"]
-        assert len(transport.connections) == 1 and len(opened) == 1
-    finally:
-        await asyncio.wait_for(transport.close(), 5)
-        await server.close()
-
-
-async def test_a_replica_slow_to_open_holds_up_no_other(client: Client) -> None:
-    """Opening a socket waits for the replica's `/v1/zmq`: one that does not answer it yet
-    leaves calls to the others alone."""
-    release = asyncio.Event()
-
-    async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
-        token = req.generate_chunk.choices[0].token_ids[0]
-        return answer_for({"generate_chunk": {"choices": [{"token_ids": [token]}]}})
-
-    async def stuck(request: web.Request) -> web.StreamResponse:
-        await release.wait()
-        return await endpoint(request)
-
-    apps = [web.Application(), web.Application()]
-    for app, route in zip(apps, (stuck, endpoint), strict=True):
-        app.cleanup_ctx.append(channel_ctx("127.0.0.1", 0, handle))
-        app.router.add_get("/v1/zmq", route)
-    servers = [TestServer(app) for app in apps]
-    for s in servers:
-        await s.start_server()
-    pool = Pool("derender", tuple(str(s.make_url("")).rstrip("/") for s in servers))
-    transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
-    try:
-        held = asyncio.ensure_future(transport.stream(call(1)))  # least in flight: the first
-        await asyncio.sleep(0.05)
-        answer = await asyncio.wait_for(transport.stream(call(2)), 10)  # the second replica
-        assert _content(answer) == "2" and not held.done()
-        release.set()
-        assert _content(await asyncio.wait_for(held, 10)) == "1"
-    finally:
-        release.set()
-        await transport.close()
-        for s in servers:
-            await s.close()
-
-
 def test_on_uvloop_a_batch_goes_as_soon_as_every_stream_is_in() -> None:
     """The services run on uvloop, whose timer handles are no `asyncio.TimerHandle`: the batch
     whose last stream's call completes it goes at once, not when its `wait` runs out."""
@@ -740,145 +668,6 @@ async def test_closing_the_transport_tells_submitted_calls(name: str) -> None:
         await client.close()
         for s in servers:
             await s.close()
-
-
-def no_reply(call: Call) -> bytes:
-    """Bytes that are no reply frame (0xc1 is never used by msgpack)."""
-    return b"\xc1 not a reply"
-
-
-@contextlib.asynccontextmanager
-async def garbling_zmq_replica(
-    reply: Callable[[Call], bytes] = no_reply,
-) -> AsyncIterator[tuple[str, list[int]]]:
-    """A derender replica whose ZMQ channel answers every call with `reply(call)`; yields its
-    URL and the number of calls it got."""
-    import zmq.asyncio
-
-    context = zmq.asyncio.Context()
-    sock = context.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    got = [0]
-
-    async def garble() -> None:
-        while True:
-            ident, frame = await sock.recv_multipart()
-            got[0] += 1
-            await sock.send_multipart([ident, reply(CALL.decode(frame))])
-
-    async def advertise(request: web.Request) -> web.Response:
-        return web.json_response({"endpoint": f"tcp://127.0.0.1:{port}"})
-
-    app = web.Application()
-    app.router.add_get("/v1/zmq", advertise)
-    server = TestServer(app)
-    await server.start_server()
-    task = asyncio.create_task(garble())
-    try:
-        yield str(server.make_url("")).rstrip("/"), got
-    finally:
-        task.cancel()
-        await server.close()
-        sock.close(linger=0)
-        context.term()
-
-
-async def test_a_zmq_reply_the_proxy_cannot_read_fails_its_calls_at_once(client: Client) -> None:
-    """A reply whose id cannot be read used to end the socket's reader silently: every call on
-    the socket then waited out its 30 s timeout. Now they all fail at once as the replica's
-    fault (a 502, never the client's 400), and the socket is forgotten."""
-    async with garbling_zmq_replica() as (url, got):
-        pool = Pool("derender", (url,))
-        policy = RetryPolicy(attempts=1, sleep=False)
-        transport = ZmqDerender(client, pool, policy, METRICS, LIMITS)
-        try:
-            calls = [transport.stream(call(t)) for t in range(3)]
-            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
-            assert all(isinstance(o, UpstreamError) for o in outcomes), outcomes
-            assert all(o.status == 502 for o in outcomes)  # type: ignore[union-attr]
-            assert "cannot read" in str(outcomes[0])
-            assert got[0] == 3
-            assert url not in transport.connections  # the next call opens a new socket
-        finally:
-            await asyncio.wait_for(transport.close(), 5)
-
-
-def _answered_with(status: int, body: bytes) -> Callable[[Call], bytes]:
-    """A ZMQ replica's reply to any call: a well-formed reply frame carrying `body`."""
-    return lambda call: MSGPACK.encode(Reply(call.id, status, body))
-
-
-@pytest.mark.parametrize(
-    "reply",
-    [
-        no_reply,
-        _answered_with(200, b"\xc1"),  # a reply whose answer is no msgpack
-        _answered_with(500, MSGPACK.encode(msgspec.msgpack.Ext(1, b"x"))),  # no JSON error
-    ],
-    ids=["frame", "answer", "error"],
-)
-async def test_a_garbling_zmq_replica_is_passed_over_for_a_good_one(
-    client: Client, reply: Callable[[Call], bytes]
-) -> None:
-    """derender is pure: a call its replica garbled (the reply frame, the answer in it, or an
-    error body no JSON can hold) goes to another replica; it was the client's 502, or a 500."""
-
-    async def handle(app: web.Application, kind: Kind, req: Any) -> Any:
-        token = req.generate_chunk.choices[0].token_ids[0]
-        return answer_for({"generate_chunk": {"choices": [{"token_ids": [token]}]}})
-
-    good = web.Application()
-    good.cleanup_ctx.append(channel_ctx("127.0.0.1", 0, handle))
-    good.router.add_get("/v1/zmq", endpoint)
-    server = TestServer(good)
-    await server.start_server()
-    async with garbling_zmq_replica(reply) as (url, got):
-        pool = Pool("derender", (url, str(server.make_url("")).rstrip("/")))
-        transport = ZmqDerender(client, pool, RetryPolicy(sleep=False), METRICS, LIMITS)
-        try:
-            answers = await asyncio.wait_for(
-                asyncio.gather(*(transport.stream(call(t)) for t in range(6))), 10
-            )
-            assert [_content(a) for a in answers] == ["0", "1", "2", "3", "4", "5"]
-            assert got[0] >= 1  # the garbling replica had its turn, and was passed over
-        finally:
-            await asyncio.wait_for(transport.close(), 5)
-            await server.close()
-
-
-async def test_an_error_reply_keeps_its_zmq_socket(client: Client) -> None:
-    """A well-formed error reply is the call's failure, not the socket's: the socket stays
-    (dropping it failed every other call in flight on it)."""
-    envelope = MSGPACK.encode({"error": {"message": "busy", "type": "x", "code": 503}})
-    async with garbling_zmq_replica(_answered_with(503, envelope)) as (url, got):
-        pool = Pool("derender", (url,))
-        transport = ZmqDerender(client, pool, RetryPolicy(attempts=1, sleep=False), METRICS, LIMITS)
-        try:
-            with pytest.raises(ServiceError):
-                await asyncio.wait_for(transport.stream(call(1)), 5)
-            assert got[0] == 1 and url in transport.connections
-        finally:
-            await asyncio.wait_for(transport.close(), 5)
-
-
-async def test_a_failed_call_drops_only_the_socket_it_failed_on(client: Client) -> None:
-    """Calls that failed with one socket close that socket, never the one a retry opened to
-    the same replica since (that retry's call then waited out its timeout)."""
-    transport = ZmqDerender(
-        client, Pool("derender", ("http://127.0.0.1:9",)), RetryPolicy(), METRICS, LIMITS
-    )
-    worker = transport.pool.workers[0]
-    old = Connection(transport.context.socket(zmq.DEALER))
-    new = Connection(transport.context.socket(zmq.DEALER))
-    transport.connections[worker.url] = new
-    waiting: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
-    old.pending[1] = waiting
-    try:
-        await transport._drop(worker, old)
-        assert transport.connections[worker.url] is new and new.failure is None
-        assert isinstance(waiting.exception(), UpstreamUnavailable)  # told, not left waiting
-    finally:
-        await transport.close()
 
 
 # --------------------------------------------------------------------------- the quick path

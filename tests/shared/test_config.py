@@ -208,7 +208,7 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "--max-logprob-entries --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
     "derender": "--model --served-model-name --max-model-len --host --port --cpu-policy "
     "--workers --threads "
-    "--zmq-port --enable-auto-tool-choice --tool-call-parser --reasoning-parser",
+    "--enable-auto-tool-choice --tool-call-parser --reasoning-parser",
     "proxy": "--render --derender --prefill --decode --host --port --cpu-policy "
     "--generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
@@ -255,7 +255,7 @@ def test_service_fields_are_all_exposed_or_excluded(name: str) -> None:
         ("render", ["--chat-template", "/no/such/template.jinja"]),
         ("derender", ["--workers", "0"]),
         ("derender", ["--threads", "0"]),
-        ("derender", ["--zmq-port", "65536"]),
+        ("derender", ["--port", "65536"]),
         ("derender", ["--cpu-policy", "fifo"]),
         ("render", ["--tool-call-parser", "nope"]),
         ("derender", ["--reasoning-parser", "nope"]),
