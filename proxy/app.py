@@ -20,17 +20,23 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from tokenline.proxy.admission import Admission
+from tokenline.proxy.api.admission import Admission
+from tokenline.proxy.api.completions import (
+    ADMISSION,
+    HOPS,
+    TOKENS_ONLY,
+    chat_completions,
+    completions,
+)
+from tokenline.proxy.api.tokenize import add_utility_routes
+from tokenline.proxy.client.derender import BatchedDerender, DerenderTransport, HttpDerender
+from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.client.upstream import translated
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.h1 import Client, Limits
-from tokenline.proxy.hops import Hops, Timeouts
+from tokenline.proxy.flow.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool, Pools, maintained
-from tokenline.proxy.retry import RetryPolicy
-from tokenline.proxy.routes import ADMISSION, HOPS, TOKENS_ONLY, chat_completions, completions
-from tokenline.proxy.transport import BatchedDerender, DerenderTransport, HttpDerender
-from tokenline.proxy.upstream import translated
-from tokenline.proxy.utility import add_utility_routes
+from tokenline.proxy.routing.pool import Pool, Pools, maintained
+from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.errors import ShuttingDown, Unauthorized
 from tokenline.shared.http import (
     Handler,

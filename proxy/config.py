@@ -59,7 +59,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """P/D: a stream shows the first token as soon as the prefill leg has it, instead of
     after the decode leg has pulled the KV and sampled the same token again (which is then
     checked and dropped). Sampling requests without a seed get one for both legs, so that the
-    two engines draw the same first token (`proxy/early.py`)."""
+    two engines draw the same first token (`proxy/flow/first_token.py`)."""
     health_interval: Seconds = 2.0
     """Seconds between health checks of each replica."""
     max_in_flight: Positive = 1024

@@ -126,7 +126,7 @@ class UpstreamUnavailable(UpstreamError):
 
 class Diverged(UpstreamError):
     """A P/D decode stream began with another token than the prefill leg's, which the client
-    was shown already (`proxy/early.py`)."""
+    was shown already (`proxy/flow/first_token.py`)."""
 
 
 class UpstreamTimeout(ServiceError):

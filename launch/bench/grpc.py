@@ -145,7 +145,7 @@ class HttpClient:
 
 def as_chunk(request_id: str, chunk: Any) -> GenerateStreamChunk:
     """A gRPC stream chunk as shared/wire.py's struct (what a gRPC transport would hand
-    proxy/stream.py), so both clients do the proxy's work per chunk."""
+    proxy/flow/stream.py), so both clients do the proxy's work per chunk."""
     lp = chunk.output_logprobs
     content = [
         GenerateLogProbsContent(

@@ -9,7 +9,7 @@ and derender are shared):
   one-pool  one engine (role both) on cores 0-1, decode-only: it computes the prompt itself
   P/D       a prefill engine on core 0 and a decode engine on core 1, as `tokenline generate`
             runs them (NixlConnector through our shim, KV pulled over UCX loopback); streams
-            show the prefill leg's token first (`proxy/early.py`)
+            show the prefill leg's token first (`proxy/flow/first_token.py`)
   P/D, decode's first token   the same engines behind a proxy started with
             `--no-prefill-first-token`: the client waits for the decode leg's first token
 Load: `--streams` concurrent streaming chats (closed loop) from the seeded mix of

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator
 import msgspec
 from aiohttp import web
 
-from tokenline.proxy.h1 import Client
-from tokenline.proxy.upstream import GENERATE_PATH, SseEvents
+from tokenline.proxy.client.http import Client
+from tokenline.proxy.client.upstream import GENERATE_PATH, SseEvents
 from tokenline.shared.http import run
 from tokenline.shared.served import health
 

@@ -38,7 +38,7 @@ from tokenline.launch.bench import cpu
 from tokenline.launch.bench.client import on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
-from tokenline.proxy.h1 import request_bytes, target
+from tokenline.proxy.client.http import request_bytes, target
 from tokenline.shared.frame_server import FrameFeed, upgrade
 from tokenline.shared.frames import (
     BATCH_SOCKET_PATH,

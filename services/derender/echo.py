@@ -8,7 +8,7 @@
 A stream shows the echo once per choice, in its first chunk: for chat, with the role, ahead of
 the first text (as vLLM's own scale-out derender does). tokenline's proxy asks for neither: it
 opens a chat stream as monolithic vLLM does, with a role chunk per choice and then an echo chunk
-per choice of their own (`proxy/flow.py`, `StreamFlow.opening`). `chat_role` and `chat_echo`
+per choice of their own (`proxy/flow/chunks.py`, `StreamFlow.opening`). `chat_role` and `chat_echo`
 live in `shared/kinds.py`, for both.
 """
 

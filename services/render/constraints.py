@@ -5,7 +5,7 @@ work: `structured_outputs` holds exactly one kind of constraint, `response_forma
 `text`) replaces the constraint kind it names, and the result goes to the engine as vLLM's
 `StructuredOutputsParams` with every public field, as vLLM's render sends it. Whether a schema,
 regex or grammar compiles is the engine's grammar backend's call (render never loads it): the
-proxy names the field when generate refuses one (`proxy/flow.py:constraint_field`).
+proxy names the field when generate refuses one (`proxy/flow/chunks.py:constraint_field`).
 """
 
 from __future__ import annotations

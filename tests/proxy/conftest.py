@@ -19,8 +19,8 @@ from tokenline.launch import servers
 from tokenline.launch.bench.http import get
 from tokenline.launch.servers import Server
 from tokenline.proxy.app import make_app as make_proxy
+from tokenline.proxy.client.http import Client
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.h1 import Client
 from tokenline.services.derender.app import make_app as make_derender
 from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.render.app import make_app as make_render
@@ -285,7 +285,7 @@ async def pd_proxy(
 
 @pytest.fixture
 async def client() -> AsyncIterator[Client]:
-    """The proxy's own HTTP client (`proxy/h1.py`), closed after the test."""
+    """The proxy's own HTTP client (`proxy/client/http.py`), closed after the test."""
     c = Client()
     try:
         yield c

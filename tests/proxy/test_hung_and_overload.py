@@ -11,9 +11,9 @@ from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
 from tests.proxy.conftest import Tiers, url
+from tokenline.proxy.api.completions import HOPS
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.routes import HOPS
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 

@@ -1,5 +1,5 @@
 """P/D streams through the real pair (KV over NIXL) equal monolithic vLLM's, the first token
-shown from the prefill leg (`proxy/early.py`) and dropped from the decode stream."""
+shown from the prefill leg (`proxy/flow/first_token.py`) and dropped from the decode stream."""
 
 from __future__ import annotations
 

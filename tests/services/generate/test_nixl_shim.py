@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import Fleet
 from tokenline.launch.process import Process
-from tokenline.proxy.flow import PREFILL_PARAMS
+from tokenline.proxy.flow.requests import PREFILL_PARAMS
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from tests.proxy.conftest import Pipeline, engine_metric, pd_pipeline, start_pip
 from tokenline.launch.bench.http import post, post_raw
 from tokenline.launch.process import Process, free_port
 from tokenline.launch.servers import log_file
-from tokenline.proxy.flow import PREFILL_PARAMS
+from tokenline.proxy.flow.requests import PREFILL_PARAMS
 
 __all__ = ["pd_pipeline"]  # the session's P/D pipeline (tests/proxy/conftest.py)
 SOURCE = "vllm:prompt_tokens_by_source_total"

@@ -17,9 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenline.proxy.h1 import Broken, Client, Limits, Unsendable, request_bytes, take_head, target
-from tokenline.proxy.pool import Worker
-from tokenline.proxy.upstream import rejected_or_failed
+from tokenline.proxy.client.http import (
+    Broken,
+    Client,
+    Limits,
+    Unsendable,
+    request_bytes,
+    take_head,
+    target,
+)
+from tokenline.proxy.client.upstream import rejected_or_failed
+from tokenline.proxy.routing.pool import Worker
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,

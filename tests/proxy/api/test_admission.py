@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tokenline.proxy.admission import Admission
+from tokenline.proxy.api.admission import Admission
 from tokenline.shared.errors import Overloaded
 
 

@@ -1,4 +1,4 @@
-"""The proxy's SSE reader for generate streams (`proxy.upstream.SseEvents`), sans-IO."""
+"""The proxy's SSE reader for generate streams (`proxy.client.upstream.SseEvents`), sans-IO."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tokenline.proxy.upstream import SSE_LINE_LIMIT, SseEvents
+from tokenline.proxy.client.upstream import SSE_LINE_LIMIT, SseEvents
 from tokenline.shared.errors import UpstreamError
 
 STREAM = (

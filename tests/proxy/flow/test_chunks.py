@@ -12,19 +12,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenline.proxy.flow import (
-    HopHeaders,
-    Rendered,
+from tokenline.proxy.flow.chunks import (
     StreamFlow,
-    engine_id,
-    engine_request,
     generate_chunk,
     merge_chunks,
+    whole_derender_body,
+)
+from tokenline.proxy.flow.requests import (
+    HopHeaders,
+    Rendered,
+    engine_id,
+    engine_request,
     prefill_request,
     prompt_request,
     public_id,
     retry_id,
-    whole_derender_body,
 )
 from tokenline.shared.errors import UpstreamError
 from tokenline.shared.kinds import CHAT, COMPLETION, DERENDER_FIRST_READS, DERENDER_READS
@@ -410,7 +412,7 @@ def test_lean_view_decodes_to_the_same_request(extra: dict[str, object]) -> None
 
 def test_derender_reads_no_client_field_the_view_leaves_out() -> None:
     """Every attribute derender's code reads off a client `request` is in DERENDER_READS."""
-    root = Path(__file__).resolve().parents[2] / "services" / "derender"
+    root = Path(__file__).resolve().parents[3] / "services" / "derender"
     read: set[str] = set()
     for module in root.rglob("*.py"):  # with the parsers' package (`parsers/adjust.py`)
         for node in ast.walk(ast.parse(module.read_text())):

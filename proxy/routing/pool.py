@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from tokenline.proxy.h1 import Client, HttpClientError
+from tokenline.proxy.client.http import Client, HttpClientError
 from tokenline.shared.errors import UpstreamUnavailable
 
 log = logging.getLogger(__name__)

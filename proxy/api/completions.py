@@ -17,17 +17,17 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from tokenline.proxy.admission import Admission
-from tokenline.proxy.flow import (
+from tokenline.proxy.api.admission import Admission
+from tokenline.proxy.flow.chunks import StreamFlow
+from tokenline.proxy.flow.hops import Hops
+from tokenline.proxy.flow.requests import (
     ClientRequest,
     HopHeaders,
     Rendered,
-    StreamFlow,
     constraint_field,
     needs_tokenizer,
 )
-from tokenline.proxy.hops import Hops
-from tokenline.proxy.stream import Streaming, whole
+from tokenline.proxy.flow.stream import Streaming, whole
 from tokenline.shared.errors import BadRequest, UpstreamRejected, as_service_error
 from tokenline.shared.http import read_json_body
 from tokenline.shared.kinds import CHAT, COMPLETION, Kind
@@ -151,7 +151,7 @@ class EventStream:
     def send_now(self, chunks: list[Any]) -> bool:
         """One write straight to the transport, framed as the response's own writes are
         (chunked, unless an HTTP/1.0 client's body ends with the connection): a pumped
-        stream's (`proxy/pump.py`) in an event-loop callback. False: it did not go out (the
+        stream's (`proxy/flow/pump.py`) in an event-loop callback. False: it did not go out (the
         connection is closing), or the buffer is full now."""
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():

@@ -17,13 +17,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.frames import Frames
-from tokenline.proxy import transport as transport_module
-from tokenline.proxy.flow import StreamCall
-from tokenline.proxy.h1 import Client, Limits
+from tokenline.proxy.client import derender as transport_module
+from tokenline.proxy.client.derender import BatchedDerender, HttpDerender
+from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.flow.chunks import StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool
-from tokenline.proxy.retry import RetryPolicy
-from tokenline.proxy.transport import BatchedDerender, HttpDerender
+from tokenline.proxy.routing.pool import Pool
+from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,

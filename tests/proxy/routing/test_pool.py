@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tokenline.proxy.h1 import Client
-from tokenline.proxy.pool import Breaker, Pool, Worker, expand, least_in_flight
+from tokenline.proxy.client.http import Client
+from tokenline.proxy.routing.pool import Breaker, Pool, Worker, expand, least_in_flight
 from tokenline.shared.errors import UpstreamUnavailable
 
 

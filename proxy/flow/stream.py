@@ -1,10 +1,11 @@
 """One client request through the hops: whole answers, and streams as chunk structs.
 
 Nothing here knows HTTP: `Streaming` hands the chunks a client should see to its `out` (and
-raises `ServiceError` when the stream fails) and the route frames them (proxy/routes.py). Each
-prompt of a request decodes in its own task, which reads its generate stream, derenders through
-the app's transport and writes to the client: no queue and no other task per chunk. Leaving early
-(client gone, stop string) closes the decode stream and aborts the engine request.
+raises `ServiceError` when the stream fails) and the route frames them
+(proxy/api/completions.py). Each prompt of a request decodes in its own task, which reads its
+generate stream, derenders through the app's transport and writes to the client: no queue and no
+other task per chunk. Leaving early (client gone, stop string) closes the decode stream and
+aborts the engine request.
 """
 
 from __future__ import annotations
@@ -19,25 +20,27 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tokenline.proxy.early import FirstToken, for_legs
-from tokenline.proxy.flow import (
+from tokenline.proxy.client.upstream import Pumping
+from tokenline.proxy.flow.chunks import (
+    ReadChoice,
+    StreamFlow,
+    generate_chunk,
+    merge_chunks,
+    whole_derender_body,
+)
+from tokenline.proxy.flow.first_token import FirstToken, for_legs
+from tokenline.proxy.flow.hops import Hops, Prefilled
+from tokenline.proxy.flow.migration import MAX_MIGRATIONS, continuation, why_not
+from tokenline.proxy.flow.pump import Pump
+from tokenline.proxy.flow.requests import (
     ClientChunk,
     ClientRequest,
     HopHeaders,
-    ReadChoice,
     Rendered,
-    StreamFlow,
     engine_request,
-    generate_chunk,
-    merge_chunks,
     prompt_request,
-    whole_derender_body,
 )
-from tokenline.proxy.hops import Hops, Prefilled
-from tokenline.proxy.migration import MAX_MIGRATIONS, continuation, why_not
-from tokenline.proxy.pool import Worker
-from tokenline.proxy.pump import Pump
-from tokenline.proxy.upstream import Pumping
+from tokenline.proxy.routing.pool import Worker
 from tokenline.shared.errors import (
     Diverged,
     ServiceError,
@@ -111,7 +114,7 @@ class Streaming:
     started: float = field(default_factory=time.perf_counter)
     last_sent: float | None = None
     first_shown: dict[int, int] = field(default_factory=dict)
-    """Per prompt: the prefill leg's token, shown before its decode stream (`proxy/early.py`);
+    """Per prompt: the prefill leg's token, shown before its decode stream (`first_token.py`);
     every decode stream of that prompt must begin with it, and drops it."""
 
     async def run(self) -> None:
@@ -159,7 +162,7 @@ class Streaming:
         other way): rerun decode-only, which computes the prompt in one pass as the prefill
         engine and monolithic vLLM do. Should that diverge too (the engines disagree even
         so), the stream goes on from the token shown, where it can continue exactly
-        (`proxy/migration.py`; `gen` is the client's, without the seed drawn for the legs);
+        (`proxy/flow/migration.py`; `gen` is the client's, without the seed drawn for the legs);
         otherwise it fails as before."""
         self._diverged(leg, exc)
         await self.hops.aborted(leg)
@@ -200,7 +203,7 @@ class Streaming:
 
     async def _migrate(self, p: int, gen: GenerateRequest, exc: ServiceError) -> None:
         """Continue prompt `p` on another decode replica after its own failed mid-stream
-        (`proxy/migration.py`), at most `MAX_MIGRATIONS` times; otherwise re-raise `exc`."""
+        (`proxy/flow/migration.py`), at most `MAX_MIGRATIONS` times; otherwise re-raise `exc`."""
         tried: list[Worker] = []
         for attempt in range(1, MAX_MIGRATIONS + 1):
             failed = exc.replica
@@ -307,7 +310,7 @@ class Streaming:
             # a finished stream is read to its end: its connection is then reused
 
     def _pumpable(self, p: int) -> bool:
-        """Prompt `p` may go on in callbacks (`proxy/pump.py`): one choice, not over, and a
+        """Prompt `p` may go on in callbacks (`proxy/flow/pump.py`): one choice, not over, and a
         client that can take a write at once."""
         return self.flow.n == 1 and not self.flow.prompt_done(p) and self.out.open()
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tokenline.proxy.migration import continuation, why_not
+from tokenline.proxy.flow.migration import continuation, why_not
 from tokenline.shared.wire import GenerateRequest, SamplingParams
 
 

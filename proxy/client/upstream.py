@@ -1,8 +1,8 @@
 """HTTP calls to a replica, with foreign errors translated once, here.
 
 Every hop's HTTP goes through `post` (a whole answer) or `stream_payloads` (an SSE stream), on
-the proxy's own client (`proxy/h1.py`); its and asyncio's exceptions become ours naming the hop
-and the replica, and an error
+the proxy's own client (`proxy/client/http.py`); its and asyncio's exceptions become ours naming
+the hop and the replica, and an error
 answer becomes `UpstreamRejected` (a 4xx that is the request's own fault, which the client gets
 as it is) or `UpstreamError` (the replica failed). A stream reports its outcome to the pool
 itself (`retry.reported`); a `post`'s callers do (`retry.on_replicas`, `Hops.generate_whole`):
@@ -18,9 +18,16 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from tokenline.proxy.h1 import Broken, Client, HttpClientError, Limits, Response, Unreachable
-from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
+from tokenline.proxy.client.http import (
+    Broken,
+    Client,
+    HttpClientError,
+    Limits,
+    Response,
+    Unreachable,
+)
+from tokenline.proxy.routing.pool import Pool, Worker
+from tokenline.proxy.routing.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -132,7 +139,7 @@ def as_is(data: bytes) -> bytes:
 
 
 class Pumping(Protocol):
-    """Takes a stream's payloads in the event loop's callbacks (`proxy/pump.py`): what its
+    """Takes a stream's payloads in the event loop's callbacks (`proxy/flow/pump.py`): what its
     reader sends into `stream_payloads` instead of asking for the next read."""
 
     def bind(self, resp: Response) -> None:

@@ -14,7 +14,7 @@ proxy for both legs (`for_legs`): its output is one random sample either way, an
 never sees the seed. Both legs also keep what shapes the first token (`min_tokens` up to 1,
 logprobs, logit bias, grammar). The decode engine computes the last prompt position from
 transferred KV, in a different kernel than a prefill; a near-tie can then come out the other
-way: `Diverged`, and the stream reruns that leg decode-only (`proxy/stream.py`), which
+way: `Diverged`, and the stream reruns that leg decode-only (`proxy/flow/stream.py`), which
 computes the prompt in one pass as the prefill engine (and monolithic vLLM) did.
 """
 

@@ -1,5 +1,5 @@
-"""P/D streams show the prefill leg's token first (`proxy/early.py`): the pure part, then the
-proxy in-process between the real render and derender and a prefill/decode double that
+"""P/D streams show the prefill leg's token first (`proxy/flow/first_token.py`): the pure part,
+then the proxy in-process between the real render and derender and a prefill/decode double that
 records what it was sent (the real P/D pair's parity with monolithic vLLM is in
 tests/proxy/test_pd_parity.py)."""
 
@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from tests.proxy.conftest import Tiers, pd_proxy
-from tokenline.proxy.early import FirstToken, for_legs
+from tokenline.proxy.flow.first_token import FirstToken, for_legs
 from tokenline.shared.errors import Diverged
 from tokenline.shared.wire import (
     GenerateChoice,

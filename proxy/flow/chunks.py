@@ -1,12 +1,10 @@
-"""The proxy's request flow as pure functions and state (sans-IO: no sockets, no event loop).
+"""A stream's chunks through the proxy (pure, sans-IO: no sockets, no event loop).
 
-What the proxy asks of each hop and what it makes of the answers lives here: the engine request
-built from render's output (and the P/D prefill leg's variant of it), the derender call for each
-generate chunk, the bookkeeping of every choice of a stream (derender's state, whether it ended,
-whether a stop string ended it early so the engine must be aborted), the client chunk with its
-index remapped across prompts and `n`, a chat stream's opening chunks (vLLM's role and echo
-chunks), usage, and the token counts behind the ITL metric.
-`proxy/stream.py` drives it with real hops; tests drive it with plain values.
+The derender call for each generate chunk, the bookkeeping of every choice of a stream
+(derender's state, whether it ended, whether a stop string ended it early so the engine must be
+aborted), the client chunk with its index remapped across prompts and `n`, a chat stream's
+opening chunks (vLLM's role and echo chunks), usage, and the token counts behind the ITL metric.
+`proxy/flow/stream.py` drives it with real hops; tests drive it with plain values.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ from typing import Any, TypeAlias
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from tokenline.proxy.flow.requests import ClientChunk, ClientRequest, Rendered
 from tokenline.shared.errors import UpstreamError
 from tokenline.shared.kinds import DERENDER_READS, Kind, chat_echo, chat_role
-from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     CHAT_CHUNK,
     CHUNK_HEAD,
@@ -33,8 +31,6 @@ from tokenline.shared.wire import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatStreamChoice,
-    CompletionChunk,
-    CompletionRequest,
     DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbs,
@@ -44,14 +40,9 @@ from tokenline.shared.wire import (
     GenerateStreamChunk,
     PromptLogprobs,
     RawStreamAnswer,
-    SamplingParams,
     StateCounts,
     Usage,
 )
-
-ClientRequest = ChatCompletionRequest | CompletionRequest
-ClientChunk = ChatCompletionChunk | CompletionChunk
-
 
 ReadChoice: TypeAlias = GenerateStreamChoice | GenerateChoiceHead
 """A generate chunk's choice as the proxy knows it: decoded whole, or as derender read the chunk
@@ -64,181 +55,6 @@ FINISHED = b'"finish_reason":"'
 in every other chunk). Its call goes at once (`StreamCall.urgent`): the client's next request
 waits for this answer, and so does the engine's slot. A chunk written otherwise only loses the
 hurry, never its answer."""
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-# --------------------------------------------------------------------------- engine requests
-
-
-def engine_request(
-    gen: GenerateRequest, kind: Kind, stream: bool, kv: dict[str, Any] | None
-) -> GenerateRequest:
-    """The render output as the engine must see it: token IDs out, never text.
-
-    `detokenize: false` always (an engine with a tokenizer would otherwise decode every token
-    for nothing). Stop strings are derender's job (a tokens-only vLLM refuses them). Completions
-    ask the engine for one more logprob than the client: vLLM 0.32 cuts candidates to
-    `logprobs`, and monolithic vLLM shows the sampled token besides the top `logprobs` (derender
-    filters by rank). Behind a prefill leg (`kv` set) the decode never runs the prompt, so
-    prompt logprobs come from the prefill leg.
-    """
-    params = gen.sampling_params
-    changes: dict[str, Any] = {
-        "stop": None,
-        "include_stop_str_in_output": False,
-        "detokenize": False,
-    }
-    if kv is not None:
-        changes["prompt_logprobs"] = None
-    if kind.logprobs_include_sampled and params.logprobs is not None and params.logprobs >= 0:
-        changes["logprobs"] = min(params.logprobs + 1, MAX_LOGPROBS)
-    extra = dict(params.extra_args or {})
-    extra.pop("kv_transfer_params", None)
-    changes["extra_args"] = extra or None
-    return msgspec.structs.replace(
-        gen,
-        sampling_params=msgspec.structs.replace(params, **changes),
-        stream=stream,
-        stream_options=None,
-        kv_transfer_params=kv,
-    )
-
-
-def prompt_request(gen: GenerateRequest) -> GenerateRequest:
-    """A stream's "prompt leg": one token, not streamed, only for the prompt logprobs that a
-    stream echoing its prompt with logprobs shows first and a generate stream never carries.
-
-    Sampling does not matter (prompt logprobs come from the raw logits), so nothing of the
-    client's is kept but the prompt and the number of candidates; a request with prompt
-    logprobs never reads the prefix cache, so they come out as the stream's own would.
-    """
-    params = SamplingParams(
-        max_tokens=1, prompt_logprobs=gen.sampling_params.prompt_logprobs, detokenize=False
-    )
-    return msgspec.structs.replace(
-        gen,
-        request_id=f"{gen.request_id}-prompt",
-        sampling_params=params,
-        stream=False,
-        stream_options=None,
-        return_token_ids=None,
-        kv_transfer_params=None,
-    )
-
-
-def prefill_request(gen: GenerateRequest) -> GenerateRequest:
-    """The P/D prefill leg of `gen` as the engine sees it (`engine_request`): one token, KV
-    kept for a remote decode. Its token is sampled as the decode leg's first one will be (the
-    same `min_tokens` up to 1, the same logprobs, the same `extra_args` that custom logits
-    processors read): a stream may show it first (`proxy/early.py`)."""
-    params = msgspec.structs.replace(
-        gen.sampling_params,
-        max_tokens=1,
-        min_tokens=min(gen.sampling_params.min_tokens, 1),
-        n=1,
-        stop=None,
-        detokenize=False,
-    )
-    return msgspec.structs.replace(
-        gen,
-        sampling_params=params,
-        stream=False,
-        stream_options=None,
-        kv_transfer_params=dict(PREFILL_PARAMS),
-    )
-
-
-# --------------------------------------------------------------------------- engine capabilities
-
-
-def needs_tokenizer(client: ClientRequest, gens: list[GenerateRequest]) -> str | None:
-    """The client field that needs the engine's tokenizer, if the rendered request uses one:
-    a grammar needs the vocabulary, and bad words are tokenized by the engine."""
-    params = gens[0].sampling_params
-    if params.structured_outputs is not None:
-        return constraint_field(client) or "tool_choice"
-    return "bad_words" if params.bad_words else None
-
-
-def constraint_field(client: ClientRequest) -> str | None:
-    """The field a structured-output constraint came from, to name it when generate refuses
-    the constraint (render cannot compile grammars: that needs the engine's backend)."""
-    if _forces_tool_call(client):
-        return "tool_choice"
-    rf = client.response_format
-    if rf and rf.get("type") != "text":
-        return "response_format"
-    if client.structured_outputs is not None:
-        return "structured_outputs"
-    return None
-
-
-def _forces_tool_call(client: ClientRequest) -> bool:
-    """A "required" or named tool choice: render's tool-call grammar replaces any other."""
-    choice = getattr(client, "tool_choice", None)
-    return bool(getattr(client, "tools", None)) and (
-        choice == "required" or isinstance(choice, dict)
-    )
-
-
-def engine_id(gen: GenerateRequest) -> str:
-    """The id vLLM gives the request (`generate-tokens-` + the X-Request-Id it was sent)."""
-    return f"generate-tokens-{gen.request_id}"
-
-
-def retry_id(gen: GenerateRequest) -> GenerateRequest:
-    """The same request under a fresh engine id, for the one whole-request retry."""
-    return msgspec.structs.replace(gen, request_id=f"{gen.request_id}-retry")
-
-
-def public_id(gens: list[GenerateRequest]) -> str:
-    """The response id the client sees (render's, as vLLM builds it): the request's, not one
-    prompt's."""
-    rid = str(gens[0].request_id)
-    return rid.rsplit("-", 1)[0] if len(gens) > 1 else rid
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """render's generate requests under engine ids of the proxy's own, and the id the client
-    sees. Engine ids never come from client input: two clients sending the same X-Request-Id
-    must not share (or abort) each other's engine requests."""
-
-    public_id: str
-    gens: list[GenerateRequest]
-
-    @classmethod
-    def of(cls, gens: list[GenerateRequest], nonce: str) -> Rendered:
-        """`nonce`: unique per client request (e.g. a random UUID's hex)."""
-        own = [msgspec.structs.replace(g, request_id=f"tl-{nonce}-{p}") for p, g in enumerate(gens)]
-        return cls(public_id(gens), own)
-
-
-@dataclass(frozen=True)
-class HopHeaders:
-    """The client's headers that travel on: its request id (logs) and vLLM's DP rank hint."""
-
-    request_id: str | None = None
-    dp_rank: str | None = None
-
-    def pure(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.request_id:
-            headers["X-Request-Id"] = self.request_id
-        return headers
-
-    def generate(self, gen: GenerateRequest) -> dict[str, str]:
-        """The engine id is `generate-tokens-` + this X-Request-Id, so aborts can name it."""
-        headers = {"Content-Type": "application/json", "X-Request-Id": str(gen.request_id)}
-        if self.dp_rank:
-            headers["X-data-parallel-rank"] = self.dp_rank
-        return headers
 
 
 def _state_counts(answer: StreamAnswer, raw: bool) -> StateCounts | DerenderStreamState:
@@ -364,7 +180,7 @@ class StreamCall(msgspec.Struct, frozen=True, gc=False):
     offset: int = 0
     urgent: bool = False
     """Goes at once, without waiting for other streams' calls (a batched transport sends what
-    it has): the client waits for this call alone (P/D's first token, `proxy/early.py`), or
+    it has): the client waits for this call alone (P/D's first token, `flow/first_token.py`), or
     the choice's last chunk, whose answer ends the stream (`FINISHED`)."""
     prefix: bytes | None = None
     """A call passed on (`StreamFlow.passed_on`): its body for tokenline's derender up to the
@@ -442,7 +258,7 @@ class ChoiceProgress:
     """Tokens counted since the last chunk sent for this choice (per-token ITL)."""
     finished: bool = False
     generated: list[int] = field(default_factory=list)
-    """The engine's output so far: what a migration continues from (`proxy/migration.py`)."""
+    """The engine's output so far: what a migration continues from (`proxy/flow/migration.py`)."""
 
 
 class Emission(msgspec.Struct, frozen=True, gc=False):

@@ -2,8 +2,8 @@
 
 * `HttpDerender`: vLLM's own routes, one POST per chunk (any vLLM-compatible derender).
 * `BatchedDerender`: the chunks of every stream, gathered for one engine step, in one call per
-  derender replica (tokenline's batch calls, over one batch socket per replica: `proxy/sockets.py`;
-  an item's error is that item's).
+  derender replica (tokenline's batch calls, over one batch socket per
+  replica: `proxy/client/batch_sockets.py`; an item's error is that item's).
 
 Whole (non-streaming) answers always go over HTTP. Every transport retries through
 `proxy.retry.on_replicas` (derender is pure: any replica may answer a call again).
@@ -20,13 +20,13 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import msgspec
 
-from tokenline.proxy.flow import StreamAnswer, StreamCall
-from tokenline.proxy.h1 import Client, Limits
+from tokenline.proxy.client.batch_sockets import BatchSockets, ReplicaSocket
+from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.client.upstream import post_any, readable, rejected_or_failed
+from tokenline.proxy.flow.chunks import StreamAnswer, StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import FirstTry, RetryPolicy, on_replicas, report
-from tokenline.proxy.sockets import BatchSockets, ReplicaSocket
-from tokenline.proxy.upstream import post_any, readable, rejected_or_failed
+from tokenline.proxy.routing.pool import Pool, Worker
+from tokenline.proxy.routing.retry import FirstTry, RetryPolicy, on_replicas, report
 from tokenline.shared.errors import (
     PayloadTooLarge,
     ServiceError,
@@ -69,7 +69,7 @@ class DerenderTransport(Protocol):
 
     def submit(self, call: StreamCall, answered: Answered) -> Submitted:
         """`stream(call)` with its outcome handed to `answered` (never raised), for a caller
-        that does not wait in a task (`proxy/pump.py`); cancel the returned call to drop it."""
+        that does not wait in a task (`proxy/flow/pump.py`); cancel the returned call to drop it."""
         ...
 
     def streaming(self) -> contextlib.AbstractContextManager[None]:

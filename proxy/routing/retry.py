@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tokenline.proxy.pool import Pool, Worker
+from tokenline.proxy.routing.pool import Pool, Worker
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamRejected,

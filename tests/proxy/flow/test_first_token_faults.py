@@ -1,5 +1,5 @@
-"""P/D streams that show the prefill leg's token first (`proxy/early.py`), where it can go
-wrong: a prefill that stopped short of the prompt, reruns and late aborts, a stop string in the
+"""P/D streams that show the prefill leg's token first (`proxy/flow/first_token.py`), where it can
+go wrong: a prefill that stopped short of the prompt, reruns and late aborts, a stop string in the
 shown token, the client's `vllm_xargs`, a client that leaves; against the in-process proxy
 between the real render and derender and a scriptable prefill/decode double that aborts as
 vLLM 0.32 does. (Written by a review of the change: each of the first five failed before its
@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from tests.proxy.conftest import Tiers
-from tests.proxy.test_early_first import COMPLETION, T1, _entry, _proxy
+from tests.proxy.flow.test_first_token import COMPLETION, T1, _entry, _proxy
 
 Plan = Callable[[dict[str, Any], int], "list[int] | str"]
 """What the n-th decode leg (1-based) does with `body`: stream these tokens, or "fail" (500)."""

@@ -1,5 +1,5 @@
-"""The proxy's HTTP/1.1 client (`proxy/h1.py`): its response parser as a property over every
-framing and every way reads may cut the bytes, its refusals of malformed answers, and the
+"""The proxy's HTTP/1.1 client (`proxy/client/http.py`): its response parser as a property over
+every framing and every way reads may cut the bytes, its refusals of malformed answers, and the
 client against real aiohttp servers (keep-alive reuse, a connection the server closed while
 idle, leaving early, timeouts, an unreachable replica)."""
 
@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenline.proxy.h1 import (
+from tokenline.proxy.client.http import (
     HIGH_WATER,
     Broken,
     Client,
@@ -28,8 +28,8 @@ from tokenline.proxy.h1 import (
     Unsendable,
     target,
 )
-from tokenline.proxy.pool import Pool
-from tokenline.proxy.upstream import post
+from tokenline.proxy.client.upstream import post
+from tokenline.proxy.routing.pool import Pool
 from tokenline.shared.errors import UpstreamError
 
 # --------------------------------------------------------------------------- parser

@@ -10,10 +10,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
-from tokenline.proxy.h1 import Client, Limits
-from tokenline.proxy.pool import Pool, Worker
-from tokenline.proxy.retry import FirstTry, RetryPolicy, on_replicas
-from tokenline.proxy.upstream import stream_payloads
+from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.client.upstream import stream_payloads
+from tokenline.proxy.routing.pool import Pool, Worker
+from tokenline.proxy.routing.retry import FirstTry, RetryPolicy, on_replicas
 from tokenline.shared.errors import (
     UpstreamError,
     UpstreamRejected,

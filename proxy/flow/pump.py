@@ -1,6 +1,6 @@
 """One prompt's steady state on the event loop's callbacks: no task woken per token.
 
-A stream's task (`proxy/stream.py`) reads its generate stream, makes the derender call and
+A stream's task (`proxy/flow/stream.py`) reads its generate stream, makes the derender call and
 writes the client's event, waking twice per token (for the read, then for derender's answer).
 Once the stream runs plainly (its first chunk out, one choice, the client's response started
 with room in its buffer), the task hands the stream to a `Pump` and waits: each read of the
@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from tokenline.proxy.flow import ReadChoice, StreamCall, generate_chunk, merge_chunks
-from tokenline.proxy.h1 import Response
-from tokenline.proxy.transport import Submitted
+from tokenline.proxy.client.derender import Submitted
+from tokenline.proxy.client.http import Response
+from tokenline.proxy.flow.chunks import ReadChoice, StreamCall, generate_chunk, merge_chunks
 from tokenline.shared.errors import ServiceError, UpstreamError
 from tokenline.shared.wire import GENERATE_CHUNK_HEAD, GenerateStreamChunk
 
 if TYPE_CHECKING:
-    from tokenline.proxy.stream import Streaming
+    from tokenline.proxy.flow.stream import Streaming
 
 
 class Pump:

@@ -1,4 +1,4 @@
-"""A stream's steady state on callbacks (`proxy/pump.py`): what the client gets is what the
+"""A stream's steady state on callbacks (`proxy/flow/pump.py`): what the client gets is what the
 stream's task alone would give it, over every derender transport, whatever gives the stream
 back to its task (a full client buffer, a stop string, the end), for HTTP/1.1 and HTTP/1.0
 clients. In-process: the tiers' real render and derender, a generate double."""
@@ -17,12 +17,12 @@ from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
 from tests.proxy.conftest import Tiers, url
+from tokenline.proxy.api.completions import EventStream
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.flow import StreamCall, StreamFlow
-from tokenline.proxy.pump import Pump, read_choice
-from tokenline.proxy.routes import EventStream
-from tokenline.proxy.stream import Streaming
+from tokenline.proxy.flow.chunks import StreamCall, StreamFlow
+from tokenline.proxy.flow.pump import Pump, read_choice
+from tokenline.proxy.flow.stream import Streaming
 from tokenline.shared.errors import UpstreamError
 from tokenline.shared.wire import (
     JSON,

@@ -15,14 +15,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tokenline.proxy.config import ProxyConfig
-from tokenline.proxy.flow import HopHeaders, engine_id, engine_request, prefill_request, retry_id
-from tokenline.proxy.h1 import Client, HttpClientError, Limits
-from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pools, Worker
-from tokenline.proxy.retry import RetryPolicy, on_replicas, reported
-from tokenline.proxy.transport import DerenderTransport
-from tokenline.proxy.upstream import (
+from tokenline.proxy.client.derender import DerenderTransport
+from tokenline.proxy.client.http import Client, HttpClientError, Limits
+from tokenline.proxy.client.upstream import (
     GENERATE_PATH,
     Pumping,
     post,
@@ -30,6 +25,17 @@ from tokenline.proxy.upstream import (
     readable,
     stream_payloads,
 )
+from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.flow.requests import (
+    HopHeaders,
+    engine_id,
+    engine_request,
+    prefill_request,
+    retry_id,
+)
+from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.routing.pool import Pools, Worker
+from tokenline.proxy.routing.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -63,7 +69,7 @@ class Prefilled:
     prompt_logprobs: PromptLogprobs | None = None
     """Computed by the prefill leg when asked for: a decode behind it never runs the prompt."""
     first: GenerateChoice | None = None
-    """The token the prefill leg sampled (a stream may show it first: `proxy/early.py`)."""
+    """The token the prefill leg sampled (a stream may show it first: `first_token.py`)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class Hops:
     derender: DerenderTransport
     timeouts: Timeouts
     prefill_first_token: bool = True
-    """P/D streams show the prefill leg's token before the decode leg's (`proxy/early.py`)."""
+    """P/D streams show the prefill leg's token before the decode leg's (`first_token.py`)."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     aborting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 

@@ -16,14 +16,14 @@ from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post
-from tokenline.proxy.h1 import Client, Limits
-from tokenline.proxy.hops import Hops, Timeouts
+from tokenline.proxy.api.completions import HOPS
+from tokenline.proxy.api.tokenize import add_utility_routes
+from tokenline.proxy.client.derender import HttpDerender
+from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.flow.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.pool import Pool, Pools
-from tokenline.proxy.retry import RetryPolicy
-from tokenline.proxy.routes import HOPS
-from tokenline.proxy.transport import HttpDerender
-from tokenline.proxy.utility import add_utility_routes
+from tokenline.proxy.routing.pool import Pool, Pools
+from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.http import make_base_app
 
 NOT_FOUND = {

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from tokenline.proxy.pool import Pool, Pools
-from tokenline.proxy.routes import HOPS, hop_headers
-from tokenline.proxy.upstream import as_is, post_any
+from tokenline.proxy.api.completions import HOPS, hop_headers
+from tokenline.proxy.client.upstream import as_is, post_any
+from tokenline.proxy.routing.pool import Pool, Pools
 from tokenline.shared.http import Handler, read_json_body
 
 ROUTES: dict[str, Callable[[Pools], Pool]] = {

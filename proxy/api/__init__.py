@@ -1,0 +1,1 @@
+"""The proxy's HTTP routes: chat and completions, the utility routes, admission."""

@@ -1,0 +1,1 @@
+"""The proxy's HTTP client and the transports every hop travels on."""

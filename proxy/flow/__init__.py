@@ -1,0 +1,1 @@
+"""One request's flow through the hops, and streaming."""

@@ -1,0 +1,1 @@
+"""Replica choice: pools, health, retries, and what the engines already hold."""
