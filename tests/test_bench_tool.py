@@ -1,8 +1,7 @@
 """The benchmark tool's own pieces (not speed): a seeded mix, the generate double speaking the
 wire format, the closed loop's counting, the Markdown/JSON/PNG report, the exactness check's
-parsing and comparing, the gateway's and vLLM gRPC server's command lines, CPU accounting, one
-short real run of the gateway target, and the instruction-count bench (its parsing, its other
-checkout, one short real run under callgrind)."""
+parsing and comparing, the gateway's and vLLM gRPC server's command lines, CPU accounting, and
+one short real run of the gateway target."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import argparse
 import asyncio
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -20,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -30,13 +27,9 @@ from tokenline.launch.bench import (
     cores,
     cpu,
     double,
-    hop,
-    instructions,
     lineup,
     load,
     pipeline,
-    relay,
-    wake,
 )
 from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
@@ -50,13 +43,10 @@ from tokenline.launch.bench.load import (
     closed_loop,
     request_mix,
 )
+from tokenline.launch.bench.metrics import PROXY_COUNTERS
 from tokenline.launch.bench.report import markdown, plots
 from tokenline.launch.process import Process
-from tokenline.services.derender.app import make_app
-from tokenline.services.derender.config import DerenderConfig
 from tokenline.services.generate.launcher import ENGINE_CORE
-from tokenline.shared.frames import BATCH_SOCKET_PATH
-from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import GENERATE_CHUNK, GENERATE_RESPONSE
 
 
@@ -232,34 +222,6 @@ def test_report_files(tmp_path: Path) -> None:
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
-async def test_relay_passes_generate_chunks_through_untouched() -> None:
-    """The hop bench's floor: every generate chunk reaches the client as the event it came as,
-    logprobs as asked, then [DONE]; its connection to generate is kept for the next stream."""
-    engine = TestServer(double.make_app(vocab=4096, tokens_per_second=0))
-    await engine.start_server()
-    floor = TestServer(relay.make_app(str(engine.make_url("")).rstrip("/")))
-    await floor.start_server()
-    chat = {"model": "m", "messages": [], "max_tokens": 5, "logprobs": True, "top_logprobs": 2}
-    try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(2):
-                async with session.post(floor.make_url("/v1/chat/completions"), json=chat) as r:
-                    assert r.status == 200
-                    lines = [line.strip() async for line in r.content if line.strip()]
-        client = floor.app[relay.CLIENT]
-        assert sum(len(c) for c in client.idle.values()) == 1  # one connection, reused
-    finally:
-        await floor.close()
-        await engine.close()
-    assert lines[-1] == b"data: [DONE]"
-    chunks = [GENERATE_CHUNK.decode(line[6:]) for line in lines[:-1]]
-    assert [c.choices[0].finish_reason for c in chunks] == [None] * 4 + ["length"]
-    for c in chunks:
-        content = c.choices[0].logprobs.content  # type: ignore[union-attr]
-        assert len(content) == 1 and len(content[0].top_logprobs) == 2
-        assert content[0].token_id == c.choices[0].token_ids[0]  # type: ignore[index]
-
-
 def test_double_run_checks_the_front_end_goals() -> None:
     result = {
         "mode": "double",
@@ -295,7 +257,7 @@ def test_a_tokenline_point_says_how_full_its_derender_batches_were_and_what_its_
     slices = []
     for chunks, batches, render_s in ((300.0, 20.0, 0.03), (100.0, 10.0, 0.05)):
         p = Point("tokenline", 16, 1.0, [Sample(0.01, [0.001] * 3, 0.1, 4, True)])
-        p.proxy = dict.fromkeys(hop.PROXY_COUNTERS, 0.0)
+        p.proxy = dict.fromkeys(PROXY_COUNTERS, 0.0)
         p.proxy |= {"chunks": chunks, "batches": batches, "render_s": render_s, "renders": 10.0}
         slices.append((p, cpu.Split(0.5, 1.0, (("bench-proxy", 0.3), ("bench-derender", 0.2)))))
     front = [Process("x", ["true"], 0)]
@@ -717,95 +679,3 @@ def test_rounds_take_turns_and_add_up(monkeypatch: Any) -> None:
     assert (b["target"], b["output_tokens"], b["requests_per_s"]) == ("b", 30, 15 / 0.6)
     split = cpu.Split(1.0, 2.0, (("proxy", 0.5),)) + cpu.Split(0.5, 0.5, (("proxy", 0.25),))
     assert split == cpu.Split(1.5, 2.5, (("proxy", 0.75),))
-
-
-def test_instruction_counts_are_read_from_a_callgrind_dump(tmp_path: Path) -> None:
-    dump = tmp_path / "proxy.123.2"
-    dump.write_text("events: Ir\nsummary: 4200\nfn=(1) f\n0 4200\ntotals: 4200\n")
-    assert instructions.totals(dump) == 4200
-    (tmp_path / "empty").write_text("events: Ir\n")
-    with pytest.raises(ValueError, match="no totals"):
-        instructions.totals(tmp_path / "empty")
-
-
-def test_against_runs_the_other_checkouts_code(tmp_path: Path) -> None:
-    """`--against DIR`: the services run DIR's `tokenline`, ahead of the installed one; a
-    folder that is no checkout is refused, naming what it lacks."""
-    tree = tmp_path / "tree"
-    for name in instructions.PACKAGES:
-        (tree / name).mkdir(parents=True)
-        (tree / name / "__init__.py").write_text("")
-    (tree / "proxy" / "marker.py").write_text("WHO = 'the other checkout'\n")
-    (tmp_path / "scratch").mkdir()
-    path = instructions.pythonpath(tree, tmp_path / "scratch")
-    code = "import tokenline.proxy.marker as m; print(m.WHO)"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=dict(os.environ, PYTHONPATH=path),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert out.stdout.strip() == "the other checkout"
-    (tmp_path / "half").mkdir()
-    (tmp_path / "scratch2").mkdir()
-    with pytest.raises(SystemExit, match="no proxy/"):
-        instructions.pythonpath(tmp_path / "half", tmp_path / "scratch2")
-
-
-def test_instruction_bench_counts_a_real_proxy_and_derender() -> None:
-    """One short run for real, both services under callgrind: counts of a plausible size (the
-    proxy and derender each execute tens of thousands of instructions per token)."""
-    argv = [sys.executable, "-m", "tokenline.launch.bench.instructions"]
-    bench = subprocess.Popen(
-        [*argv, "--streams", "4", "--tokens", "16", "--rate", "4"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = bench.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        bench.send_signal(signal.SIGINT)  # its `finally` stops the services it started
-        bench.communicate(timeout=120)
-        raise
-    assert bench.returncode == 0, stderr[-3000:]
-    line = next(x for x in stdout.splitlines() if "this tree:" in x)
-    counts = [float(x.rstrip("k")) for x in line.split() if x.endswith("k")]
-    proxy, derender, total = counts
-    assert 20 < proxy < 2000 and 20 < derender < 2000, line  # thousands per token
-    assert total == pytest.approx(proxy + derender, abs=0.2)
-
-
-async def test_wake_bench_chains_its_batches_through_derender(
-    aiohttp_client: Any, tiny_tok: ModelTokenizer
-) -> None:
-    """The wake bench's batches are a real load: every item answered, each stream's next call
-    carrying the state its answer gave (derender counts one more token each time, and a stream
-    that reached its length starts afresh with its prompt); an item's error stops the bench."""
-    config = DerenderConfig(
-        model=str(tiny_tok.path), served_model_names=("tiny",), max_model_len=2048
-    )
-    client = await aiohttp_client(make_app(config))
-    url = str(client.make_url(BATCH_SOCKET_PATH))
-    batches = wake.Batches(4, 8, tiny_tok.vocab_size)
-    per_item = await wake.drive(url, os.getpid(), batches, 0.0, 10)
-    assert per_item > 0
-    assert batches.made == 4 * (wake.WARMUP + 10)  # one token per call, none lost
-    assert {c.tokens for c in batches.chains} == {(wake.WARMUP + 10) % 8}
-    batches.chains[0].state = msgspec.Raw(b'{"detok_ids":[99999999],"detok_prefix":1}')
-    with pytest.raises(RuntimeError, match="derender failed item 0"):
-        await wake.drive(url, os.getpid(), batches, 0.0, 1)
-
-
-def test_wake_bench_runs_for_real() -> None:
-    """One short run: derender and the echo each measured back to back and paced."""
-    argv = [sys.executable, "-m", "tokenline.launch.bench.wake"]
-    args = ["--streams", "4", "--batches", "20", "--rate", "100", "--rounds", "1"]
-    out = subprocess.run([*argv, *args], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    for name in ("derender", "echo"):
-        line = next(x for x in out.stdout.splitlines() if x.split()[:1] == [name])
-        found = re.search(r"back to back +([\d.]+) us CPU per item +paced +([\d.]+) us", line)
-        assert found is not None, line
-        assert float(found[1]) > 0 and float(found[2]) > 0, line

@@ -3,8 +3,8 @@
 By default every process floats over every core, and each engine computes with an OpenMP thread
 per core (vLLM applies `VLLM_CPU_OMP_THREADS_BIND` only with its multiprocess executor; the
 engines here run `--distributed-executor-backend uni`). Any front end's CPU then takes cores the
-model's threads are waiting on, and the model's CPU per token grows with the front end's (the
-stop 26 run: model 657 us per token behind tokenline, 571 behind the gateway, 633 alone).
+model's threads are waiting on, and the model's CPU per token grows with the front end's (in
+one run: model 657 us per token behind tokenline, 571 behind the gateway, 633 alone).
 
 Split, the model (every vLLM `EngineCore` process, one OpenMP thread) runs on the last core and
 everything else on the others: the vLLM servers outside the model, the front ends, the load.

@@ -114,7 +114,8 @@ def per_token(used: Split, tokens: int, has_front: bool) -> dict[str, Any]:
 def interpreter() -> str:
     """The Python every process of the run is started with, and how its libpython is linked: a
     shared libpython (pyenv's default build) cost the Python tiers ~15% more CPU per token than
-    one linked into the executable (stop 33), so figures from the two do not compare."""
+    one linked into the executable, side by side in one run, so figures from the two do not
+    compare."""
     maps = Path("/proc/self/maps")
     how = libpython_linking(maps.read_text() if maps.exists() else "")
     return f"Python {platform.python_version()} ({os.path.realpath(sys.executable)}, {how})"

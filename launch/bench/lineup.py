@@ -87,7 +87,7 @@ def tokenline(
 ) -> Iterator[list[Running]]:
     """tokenline and the engine alone, on one engine (the generate double when `double_rate`
     is set). tokenline reaches it over HTTP: vLLM's gRPC generate server lacks fields tokenline
-    needs and costs more per token (`python -m tokenline.launch.bench.grpc`)."""
+    needs and costs more per token (`python -m research.grpc`)."""
     if double_rate is not None:
         engine = servers.generate_double("bench-double", double_rate)
     else:

@@ -88,7 +88,7 @@ class Point:
     seconds: float
     samples: list[Sample] = field(default_factory=list)
     proxy: dict[str, float] = field(default_factory=dict)
-    """tokenline's: its proxy's counters over the point (`hop.PROXY_COUNTERS`)."""
+    """tokenline's: its proxy's counters over the point (`metrics.PROXY_COUNTERS`)."""
 
     def _pct(self, xs: list[float], q: float) -> float:
         xs = sorted(xs)

@@ -47,6 +47,25 @@ def total(metrics: Metrics, name: str, label: str = "") -> float:
     )
 
 
+BATCH_ITEMS = "tokenline_proxy_derender_batch_items"
+PROXY_COUNTERS = {
+    "chunks": (BATCH_ITEMS + "_sum", ""),
+    "batches": (BATCH_ITEMS + "_count", ""),
+    "render_s": (HOP + "_sum", 'hop="render"'),
+    "renders": (HOP + "_count", 'hop="render"'),
+    "derender_s": (HOP + "_sum", 'hop="derender"'),
+    "derenders": (HOP + "_count", 'hop="derender"'),
+}
+"""What the benches read of a proxy's metrics: the stream chunks it sent to derender and in how
+many batches, and the time its render and derender calls took (seconds, and how many)."""
+
+
+def proxy_counters(url: str) -> dict[str, float]:
+    """The proxy's `PROXY_COUNTERS` so far."""
+    page = scrape(url)
+    return {key: total(page, name, label) for key, (name, label) in PROXY_COUNTERS.items()}
+
+
 @dataclass
 class Delta:
     """Metrics of one process over a window."""

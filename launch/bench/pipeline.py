@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from tokenline.launch import servers
-from tokenline.launch.bench import cores, cpu, exactness, hop, lineup, report
+from tokenline.launch.bench import cores, cpu, exactness, lineup, report
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.load import (
     EngineTarget,
@@ -45,6 +45,7 @@ from tokenline.launch.bench.load import (
     open_loop,
     request_mix,
 )
+from tokenline.launch.bench.metrics import PROXY_COUNTERS, proxy_counters
 from tokenline.launch.models.build import build
 
 # The load's pieces moved to load.py; other benchmarks (pd.py) import them from here.
@@ -149,11 +150,11 @@ def _slice(
 
 
 def _proxy_counters(running: lineup.Running) -> dict[str, float] | None:
-    """tokenline's proxy counters so far (`hop.PROXY_COUNTERS`); None for any other target."""
+    """tokenline's proxy counters so far (`metrics.PROXY_COUNTERS`); None for any other target."""
     target = running.target
     if target.name != "tokenline" or not isinstance(target, OpenAITarget):
         return None
-    return hop.proxy_counters(target.url)
+    return proxy_counters(target.url)
 
 
 def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> dict[str, Any]:
@@ -165,7 +166,7 @@ def _point(running: lineup.Running, slices: list[tuple[Point, cpu.Split]]) -> di
     used = sum((u for _, u in slices), start=cpu.Split())
     summary = point.summary()
     tokens = int(summary["output_tokens"])
-    counted = {key: sum(p.proxy.get(key, 0.0) for p, _ in slices) for key in hop.PROXY_COUNTERS}
+    counted = {key: sum(p.proxy.get(key, 0.0) for p, _ in slices) for key in PROXY_COUNTERS}
     return {
         "target": point.target,
         "level": point.concurrency,

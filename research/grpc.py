@@ -12,7 +12,7 @@ proxy would); then gRPC/HTTP ratios. Rounds alternate which transport goes first
 check follows: the same seeded request over both, token IDs, logprobs and top-k candidates
 compared (ranks: the gRPC proto has none).
 
-    flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.grpc \\
+    flock /tmp/tokenline-bench.lock .venv/bin/python -m research.grpc \\
         [--concurrency 16] [--requests 96] [--tokens 128] [--logprobs 2] [--rounds 4]
 """
 

@@ -14,7 +14,7 @@ wake-up, whatever derender does.
 The load generator runs in this process and is not measured; each server's CPU is read from
 the kernel's per-thread run time (`cpu.run_time`, in nanoseconds).
 
-    flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.wake \\
+    flock /tmp/tokenline-bench.lock .venv/bin/python -m research.wake \\
         [--streams 16] [--rate 90] [--batches 600] [--rounds 2]
 """
 
@@ -33,9 +33,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from research.client import on_uvloop
 from tokenline.launch import servers
 from tokenline.launch.bench import cpu
-from tokenline.launch.bench.client import on_uvloop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 from tokenline.proxy.client.http import request_bytes, target
@@ -228,7 +228,7 @@ def echo_app() -> web.Application:
 
 def echo_server() -> Process:
     port = servers.free_port()
-    argv = [sys.executable, "-m", "tokenline.launch.bench.wake", "--echo-port", str(port)]
+    argv = [sys.executable, "-m", "research.wake", "--echo-port", str(port)]
     return Process("wake-echo", argv, port, output=servers.log_file("wake-echo"))
 
 

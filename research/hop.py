@@ -5,10 +5,10 @@ batch socket), same proxy code, same load, same run.
 A fast generate double feeds tokens (no model), so the CPU measured is the front end's own:
 proxy + derender process CPU seconds (`launch/bench/cpu.py`) divided by the tokens delivered.
 The floor is measured beside them: a relay on the proxy's HTTP stack that passes generate's
-chunks through untouched (`launch/bench/relay.py`); each transport's total is also printed as a
+chunks through untouched (`research/relay.py`); each transport's total is also printed as a
 multiple of it.
 
-    .venv/bin/python -m tokenline.launch.bench.hop [--streams 64] [--tokens 256] [--concurrency 8]
+    .venv/bin/python -m research.hop [--streams 64] [--tokens 256] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -23,27 +23,9 @@ import aiohttp
 
 from tokenline.launch import servers
 from tokenline.launch.bench import cpu
-from tokenline.launch.bench.metrics import HOP, scrape, total
+from tokenline.launch.bench.metrics import proxy_counters
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
-
-BATCH_ITEMS = "tokenline_proxy_derender_batch_items"
-PROXY_COUNTERS = {
-    "chunks": (BATCH_ITEMS + "_sum", ""),
-    "batches": (BATCH_ITEMS + "_count", ""),
-    "render_s": (HOP + "_sum", 'hop="render"'),
-    "renders": (HOP + "_count", 'hop="render"'),
-    "derender_s": (HOP + "_sum", 'hop="derender"'),
-    "derenders": (HOP + "_count", 'hop="derender"'),
-}
-"""What the benches read of a proxy's metrics: the stream chunks it sent to derender and in how
-many batches, and the time its render and derender calls took (seconds, and how many)."""
-
-
-def proxy_counters(url: str) -> dict[str, float]:
-    """The proxy's `PROXY_COUNTERS` so far."""
-    page = scrape(url)
-    return {key: total(page, name, label) for key, (name, label) in PROXY_COUNTERS.items()}
 
 
 def batch_items(url: str) -> tuple[float, float]:
@@ -141,9 +123,9 @@ class Target:
 
 
 def relay(decode: str) -> Process:
-    """The floor (`launch/bench/relay.py`) in front of `decode`, on a free port."""
+    """The floor (`research/relay.py`) in front of `decode`, on a free port."""
     port = servers.free_port()
-    argv = [sys.executable, "-m", "tokenline.launch.bench.relay"]
+    argv = [sys.executable, "-m", "research.relay"]
     argv += ["--port", str(port), "--decode", decode]
     return Process("hop-relay", argv, port, output=servers.log_file("hop-relay"))
 

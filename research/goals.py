@@ -1,7 +1,7 @@
 """Issue #13's goals, every one checked in one sitting: the benches that measure them run one
 after another on this machine, then one report says which goal is met.
 
-    python -m tokenline.launch.bench.goals [--out DIR] [--skip NAME ...] [--quick]
+    python -m research.goals [--out DIR] [--skip NAME ...] [--quick]
 
 runs, each with the issue's setup and in its own process (`--split-cores` pins the process that
 runs it, and a crash must not take the others down): `e2e` (`tokenline bench --split-cores`,
@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenline.launch.bench.verdicts import (
+from research.verdicts import (
     GOALS,
     LEVEL,
     Goal,
@@ -92,7 +92,7 @@ BENCHES = (
     ),
     Bench(
         "render",
-        ("-m", "tokenline.launch.bench.render"),
+        ("-m", "research.render"),
         ("--concurrency", str(LEVEL), "--long-every", "4"),
         ("--duration", "2", "--rounds", "1"),
         "render.json",
@@ -102,7 +102,7 @@ BENCHES = (
     ),
     Bench(
         "derender",
-        ("-m", "tokenline.launch.bench.derender"),
+        ("-m", "research.derender"),
         ("--concurrency", str(LEVEL)),
         ("--duration", "2"),
         "derender.json",
@@ -112,7 +112,7 @@ BENCHES = (
     ),
     Bench(
         "pd",
-        ("-m", "tokenline.launch.bench.pd"),
+        ("-m", "research.pd"),
         ("--streams", str(LEVEL)),
         ("--duration", "3", "--newcomer", "4"),
         "pd.json",
@@ -343,13 +343,11 @@ def _now() -> str:
 
 # --------------------------------------------------------------------------- command line
 
-TREE = Path(__file__).resolve().parents[2]  # the checkout whose code the benches run
+TREE = Path(__file__).resolve().parents[1]  # the checkout whose code the benches run
 
 
 def main(argv: list[str] | None = None, benches: Sequence[Bench] = BENCHES) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tokenline.launch.bench.goals", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m research.goals", description=__doc__)
     names = [b.name for b in benches]
     parser.add_argument("--out", default=str(Path("build") / "bench" / "goals"))
     parser.add_argument("--skip", nargs="+", action="extend", default=[], choices=names)

@@ -10,7 +10,7 @@ derender replays them on each call (work per call grows with the stream); tokenl
 carry only what they hold. The figure is the mean time per call (= per token) over the whole
 stream, and over its last 100 calls (the cost where the stream has grown longest).
 
-    .venv/bin/python -m tokenline.launch.bench.parsers [--lengths 100 1000 2000 4000]
+    .venv/bin/python -m research.parsers [--lengths 100 1000 2000 4000]
 """
 
 from __future__ import annotations

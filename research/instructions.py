@@ -13,7 +13,7 @@ it does the same for another checkout of tokenline and prints the ratios.
 What it does not count: the kernel (loopback sends, wake-ups) and stalls, which make up much of
 the CPU time under load (stop 31: 17-20% fewer instructions in the proxy were 8-10% less CPU).
 
-    flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.instructions \\
+    flock /tmp/tokenline-bench.lock .venv/bin/python -m research.instructions \\
         [--streams 16] [--tokens 64] [--rate 4] [--against ../other-checkout]
 """
 
@@ -29,8 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from research import hop
 from tokenline.launch import servers
-from tokenline.launch.bench import hop
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 

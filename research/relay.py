@@ -6,11 +6,11 @@ asks generate for the stream on the proxy's HTTP/1.1 client, and passes every ge
 the client as the SSE event it came as: no render call, no derender hop, no token logic. So its
 CPU per token is what moving one event in and one event out costs in this stack, the part of
 the proxy's cost that no change to tokenline's own per-token work can remove. The hop bench
-(`launch/bench/hop.py`) measures it beside the proxy in the same run.
+(`research/hop.py`) measures it beside the proxy in the same run.
 
 For benchmarks only: its answers are generate's chunks, not OpenAI's.
 
-    python -m tokenline.launch.bench.relay --port 8300 --decode http://127.0.0.1:8299
+    python -m research.relay --port 8300 --decode http://127.0.0.1:8299
 """
 
 from __future__ import annotations

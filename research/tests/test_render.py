@@ -8,7 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenline.launch.bench.render import drive
+from research.render import drive
 
 
 async def test_drive_posts_the_mix_and_counts_errors(aiohttp_server: Any) -> None:

@@ -1,4 +1,4 @@
-"""The goals runner (`python -m tokenline.launch.bench.goals`) without its benches: each goal
+"""The goals runner (`python -m research.goals`) without its benches: each goal
 checked from given figures, the figures the benches write, the report, and the runner itself on
 stand-in benches (real child processes that fail, hang, or write figures)."""
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from tokenline.launch.bench import derender, goals, pd, pipeline, render, verdicts
-from tokenline.launch.bench.common import Result, write_points
-from tokenline.launch.bench.goals import Bench, Outcome, Sitting
+from research import derender, goals, pd, render, verdicts
+from research.common import Result, write_points
+from research.goals import Bench, Outcome, Sitting
+from tokenline.launch.bench import pipeline
 
 # --------------------------------------------------------------------------- the checks
 

@@ -1,7 +1,7 @@
 """Render benchmark: tokenline's render against vLLM's render server (`vllm launch render`),
 same model, same request mix, same run, several concurrencies.
 
-The load generator is the bare keep-alive HTTP/1.1 client of `launch/bench/client.py` on
+The load generator is the bare keep-alive HTTP/1.1 client of `research/client.py` on
 uvloop, the same for both servers: it shares the 2 cores with them, and aiohttp's client
 (~200 us of CPU per request) took a sixth of the machine from whichever server was CPU-bound
 (tokenline's), none from vLLM's (bound by its one Python thread), so it pulled the ratio down.
@@ -11,7 +11,7 @@ every fourth place (`--long-every 0`: none), so templating and tokenizing a long
 much as the per-request overhead. Both servers run with `--max-model-len 4096` (the long
 prompts exceed the tests' 2048).
 
-    .venv/bin/python -m tokenline.launch.bench.render [--duration 10] [--concurrency 16]
+    .venv/bin/python -m research.render [--duration 10] [--concurrency 16]
         [--models tiny tiny-qwen3] [--executors thread] [--long-every 4] [--rounds 5]
         [--json FILE]
 """
@@ -26,9 +26,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from research.client import Connection, on_uvloop
+from research.common import Result, report, write_points
 from tokenline.launch import servers
-from tokenline.launch.bench.client import Connection, on_uvloop
-from tokenline.launch.bench.common import Result, report, write_points
 from tokenline.launch.bench.corpus import chat_requests, completion_requests, with_long_messages
 from tokenline.launch.bench.cpu import sample as cpu_sample
 from tokenline.launch.models.build import build

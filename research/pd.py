@@ -1,6 +1,6 @@
 """P/D against one pool on the same two cores: what the prefill leg adds to TTFT, and why.
 
-    flock /tmp/tokenline-bench.lock python -m tokenline.launch.bench.pd
+    flock /tmp/tokenline-bench.lock python -m research.pd
 
 Writes the report to `--out`/pd.md and each setup's figures to pd.json.
 
@@ -298,9 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tokenline.launch.bench.pd", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m research.pd", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     model = (

@@ -18,7 +18,7 @@ turn (`--cpu-policy`; the order rotates each round), the engine alone between. S
 the engine's steps fuller under SCHED_BATCH in every pair, and vLLM's TTFT lower.
 tokenline's turns also print its services' CPU per output token.
 
-    flock /tmp/tokenline-bench.lock .venv/bin/python -m tokenline.launch.bench.steps \\
+    flock /tmp/tokenline-bench.lock .venv/bin/python -m research.steps \\
         [--turns 3] [--seconds 15] [--concurrency 16] [--no-split-cores] \\
         [--cpu-policies batch normal]
 """

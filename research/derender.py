@@ -2,7 +2,7 @@
 through vLLM's streaming derender (`vllm launch render`), chunk by chunk with the stream state
 carried, at several concurrencies.
 
-    .venv/bin/python -m tokenline.launch.bench.derender [--duration 10] [--concurrency 1 4 16 64]
+    .venv/bin/python -m research.derender [--duration 10] [--concurrency 1 4 16 64]
         [--json FILE]
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
+from research.client import Connection, on_uvloop
+from research.common import Result, write_points
 from tokenline.launch import servers
-from tokenline.launch.bench.client import Connection, on_uvloop
-from tokenline.launch.bench.common import Result, write_points
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post, post_raw, sse_payloads
 from tokenline.launch.models.build import build
