@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from research.client import Connection, on_uvloop
 from research.common import Result, write_points
 from tokenline.launch import servers
 from tokenline.launch.bench.corpus import TEXTS
-from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.bench.http import post, post_raw
+from tokenline.launch.bench.sse import chunks
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
@@ -49,7 +49,7 @@ def record(generate: Process, render: Process, n: int, tokens: int) -> list[Stre
         }
         _, gen = post(render.url + "/v1/chat/completions/render", chat)
         raw = post_raw(generate.url + "/inference/v1/generate", gen)
-        streams.append((gen["token_ids"], [json.loads(p) for p in sse_payloads(raw)], chat))
+        streams.append((gen["token_ids"], chunks(raw), chat))
     return streams
 
 

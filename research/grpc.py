@@ -34,6 +34,7 @@ from tokenline.launch import servers
 from tokenline.launch.bench.cpu import Split, sample
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
+from tokenline.proxy.client.upstream import SseEvents
 from tokenline.shared.wire import (
     GENERATE_CHUNK,
     GENERATE_RESPONSE,
@@ -127,9 +128,10 @@ class HttpClient:
         headers = {"Content-Type": "application/json"}
         async with self.session.post(self.url, data=http_body(work, True), headers=headers) as r:
             r.raise_for_status()
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    chunk = GENERATE_CHUNK.decode(line[6:])
+            events = SseEvents()  # the proxy's own reader of generate's streams
+            async for piece in r.content.iter_any():
+                for payload in events.feed(piece):
+                    chunk = GENERATE_CHUNK.decode(payload)
                     got += sum(len(c.token_ids or ()) for c in chunk.choices)
         return got
 

@@ -24,6 +24,7 @@ import aiohttp
 from tokenline.launch import servers
 from tokenline.launch.bench import cpu
 from tokenline.launch.bench.metrics import proxy_counters
+from tokenline.launch.bench.sse import aiter_payloads
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process
 
@@ -50,9 +51,8 @@ async def load(url: str, streams: int, tokens: int, concurrency: int, logprobs: 
         while queue:
             queue.pop()
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                async for line in resp.content:
-                    if line.startswith(b"data: {"):
-                        pass
+                async for _ in aiter_payloads(resp):  # read through; the load is not measured
+                    pass
             delivered += tokens
 
     async with aiohttp.ClientSession() as session:

@@ -30,6 +30,7 @@ from tokenline.launch.bench import (
     lineup,
     load,
     pipeline,
+    sse,
 )
 from tokenline.launch.bench import exactness as ex
 from tokenline.launch.bench import gateway as smg
@@ -96,13 +97,13 @@ async def test_double_speaks_generate_and_the_loop_counts() -> None:
             async with session.post(
                 url + "/inference/v1/generate", json={**body, "stream": True}
             ) as resp:
-                lines = [line async for line in resp.content if line.startswith(b"data: {")]
+                payloads = [p async for p in sse.aiter_payloads(resp)]
             # the exactness check's reader takes the engine's answers, whole and streamed
             streamed = await ex.ask(
                 session, url + "/inference/v1/generate", {**body, "stream": True}
             )
         assert whole.choices[0].token_ids and len(whole.choices[0].token_ids) == 8
-        chunks = [GENERATE_CHUNK.decode(line[6:].strip()) for line in lines]
+        chunks = [GENERATE_CHUNK.decode(p) for p in payloads]
         assert [c.choices[0].token_ids[0] for c in chunks] == whole.choices[0].token_ids  # type: ignore[index]
         assert streamed.token_ids == tuple(whole.choices[0].token_ids)
         assert streamed.entries is not None and len(streamed.entries) == 8

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS
 
 Token = str | int
@@ -322,5 +323,7 @@ async def ask(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
         return Answer(error=f"{resp.status} {raw[:200].decode(errors='replace')}")
     if not body.get("stream"):
         return parse_whole(json.loads(raw))
-    chunks = [json.loads(event[6:]) for event in raw.split(b"\n\n") if event.startswith(b"data: {")]
-    return parse_stream(chunks)
+    try:
+        return parse_stream(sse.chunks(raw))
+    except sse.SseError as exc:
+        return Answer(error=f"unreadable stream: {exc}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -40,13 +39,6 @@ def post_raw(url: str, body: Any, timeout: float = 120) -> bytes:
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return bytes(resp.read())
-
-
-def sse_payloads(raw: bytes) -> Iterator[bytes]:
-    """The `data:` payloads of an SSE body, `[DONE]` excluded."""
-    for event in raw.split(b"\n\n"):
-        if event.startswith(b"data: ") and event != b"data: [DONE]":
-            yield event[len(b"data: ") :]
 
 
 def get(url: str, timeout: float = 30) -> tuple[int, bytes]:

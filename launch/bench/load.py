@@ -19,6 +19,7 @@ import aiohttp
 
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.exactness import Answer, Case, ask
+from tokenline.launch.bench.sse import SseError, aiter_payloads
 
 # --------------------------------------------------------------------------- request mix
 
@@ -136,10 +137,8 @@ async def _stream(
         if resp.status != 200:
             await resp.read()
             return Sample(0, [], 0, 0, False)
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        async for payload in aiter_payloads(resp):
+            chunk = json.loads(payload)
             usage = chunk.get("usage") or usage
             n = count(chunk)
             if not n:
@@ -247,7 +246,7 @@ async def closed_loop(
             spec = mix[next(counter) % len(mix)]
             try:
                 point.samples.append(await target.send(session, spec))
-            except (aiohttp.ClientError, TimeoutError):
+            except (aiohttp.ClientError, TimeoutError, SseError):
                 point.samples.append(Sample(0, [], 0, 0, False))
             _progress(progress, deadline, duration, len(point.samples))
 

@@ -23,6 +23,7 @@ import pytest
 from tests.hosts.conftest import API_KEY, SERVED, Rehearsal
 from tests.hosts.network import Host
 from tests.proxy.conftest import engine_metric
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.process import Process
 
@@ -87,10 +88,8 @@ async def stream(
     async with session.post(url + "/v1/chat/completions", json=sent, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
+        async for payload in sse.aiter_payloads(resp):
+            chunk = json.loads(payload)
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             for c in chunk["choices"]:  # reasoning (with parsers) and content

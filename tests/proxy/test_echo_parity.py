@@ -9,7 +9,6 @@ tokenline's proxy merges chunks when derender falls behind, so chunk boundaries 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,9 @@ import pytest
 
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline, engine_metric, start_pipeline
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS
-from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.bench.http import post, post_raw
 from tokenline.shared.tokenizer import ModelTokenizer
 
 UNICODE = "Héllo wörld 日本 x😓y — ¿qué tal? " + TEXTS[5]
@@ -91,7 +91,7 @@ def _whole(url: str, kind: str, served: str, case: dict[str, Any]) -> tuple[int,
 
 def _chunks(url: str, kind: str, served: str, case: dict[str, Any]) -> list[dict[str, Any]]:
     body = {"model": served, **case, "stream": True, "stream_options": {"include_usage": True}}
-    chunks = [json.loads(p) for p in sse_payloads(post_raw(url + _path(kind), body))]
+    chunks = sse.chunks(post_raw(url + _path(kind), body))
     errors = [c for c in chunks if "error" in c]
     assert not errors, errors
     return chunks

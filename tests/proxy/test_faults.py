@@ -23,6 +23,7 @@ from tests.proxy.conftest import (
     wait_for,
 )
 from tokenline.launch import servers
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import stop_from
 from tokenline.launch.bench.http import get, post, post_raw
 
@@ -67,8 +68,7 @@ def test_stop_string_aborts_engine_and_counts_usage(fleet: Fleet, pipeline: Pipe
     _, expected = post(
         fleet.oracle.url + "/v1/chat/completions", {**LONG, "stop": [stop], "stream": False}
     )
-    raw = post_raw(pipeline.proxy.url + "/v1/chat/completions", stream).decode()
-    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    events = sse.chunks(post_raw(pipeline.proxy.url + "/v1/chat/completions", stream))
     usage = events[-1]["usage"]
     assert usage["completion_tokens"] == expected["usage"]["completion_tokens"] < 1500
     finals = [c for e in events for c in e["choices"] if c.get("finish_reason")]
@@ -94,12 +94,11 @@ def test_derender_replica_killed_mid_stream(fleet: Fleet, two_derenders: Pipelin
     data += read_until(sock, b"data: [DONE]")
     sock.close()
     text = ""
-    for event in data.split(b"\n\n"):
-        start = event.find(b"data: {")
-        if start != -1:
-            chunk = json.loads(event[start + 6 :])
-            assert "error" not in chunk, chunk
-            text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    # the raw socket's bytes: the chunked encoding's size lines are lines no event reads
+    for payload in sse.SseReader().feed(data):
+        chunk = json.loads(payload)
+        assert "error" not in chunk, chunk
+        text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
     assert b"data: [DONE]" in data
     assert text == expected["choices"][0]["message"]["content"]
 
@@ -170,10 +169,7 @@ def _assembled(raw: bytes) -> dict[str, object]:
     logprobs: dict[int, list[object]] = {}
     finish: dict[int, str] = {}
     usage = None
-    for event in raw.split(b"\n\n"):
-        if not event.startswith(b"data: {"):
-            continue
-        chunk = json.loads(event[6:])
+    for chunk in sse.chunks(raw):
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:
             i = c["index"]

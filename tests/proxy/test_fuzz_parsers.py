@@ -34,8 +34,9 @@ from tests.proxy.test_tool_parsing import (
     add_call_delta,
     calls_of,
 )
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS, stop_from
-from tokenline.launch.bench.http import post_raw, sse_payloads
+from tokenline.launch.bench.http import post_raw
 
 CASES = int(os.environ.get("TOKENLINE_FUZZ_CASES", "20"))
 """Requests per parser pair (each sent whole and streamed, to both sides)."""
@@ -147,9 +148,7 @@ def streamed_choices(raw: bytes) -> tuple[dict[int, dict[str, Any]], Any]:
     usage."""
     parts: dict[int, dict[str, Any]] = {}
     usage = None
-    for payload in sse_payloads(raw):
-        if payload == b"[DONE]":
-            break
+    for payload in sse.payloads(raw):
         chunk = json.loads(payload)
         assert "error" not in chunk, chunk
         usage = chunk.get("usage") or usage

@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
 from tests.proxy.conftest import Tiers, url
+from tokenline.launch.bench import sse
 from tokenline.proxy.api.completions import HOPS
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
@@ -38,10 +39,8 @@ def config(tiers: Tiers, decodes: list[TestServer], **tuning: Any) -> ProxyConfi
 def contents(body: bytes) -> tuple[int, list[str], bool]:
     """Chunks with choices, finish reasons, and whether an error event came."""
     chunks, finishes, error = 0, [], False
-    for event in body.split(b"\n\n"):
-        if not event.startswith(b"data: {"):
-            continue
-        data = msgspec.json.decode(event[6:])
+    for payload in sse.payloads(body):
+        data = msgspec.json.decode(payload)
         error = error or "error" in data
         for c in data.get("choices", []):
             chunks += 1

@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline, open_stream, read_until, start_pipeline
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import get, post, post_raw
 
@@ -147,10 +148,7 @@ def normal_requests(count: int) -> list[dict[str, Any]]:
 
 def assembled(raw: bytes) -> tuple[str, list[Any], str | None]:
     text, logprobs, finish = "", [], None
-    for event in raw.split(b"\n\n"):
-        if not event.startswith(b"data: {"):
-            continue
-        chunk = json.loads(event[6:])
+    for chunk in sse.chunks(raw):
         assert "error" not in chunk, chunk
         for c in chunk["choices"]:
             text += c["delta"].get("content") or ""

@@ -11,8 +11,9 @@ import pytest
 
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS, stop_from
-from tokenline.launch.bench.http import post_raw, sse_payloads
+from tokenline.launch.bench.http import post_raw
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -217,7 +218,7 @@ ROLE_CHUNK = {"role": "assistant", "content": ""}
 def _deltas(raw: bytes) -> list[Any]:
     """Each chunk's delta (the one choice's), in order, after the role chunk."""
     deltas = []
-    for payload in sse_payloads(raw):
+    for payload in sse.payloads(raw):
         choices = json.loads(payload)["choices"]
         if choices:  # (not a usage-only chunk)
             deltas.append(dict(choices[0]["delta"]))

@@ -17,7 +17,8 @@ import pytest
 
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
-from tokenline.launch.bench.http import post_raw, sse_payloads
+from tokenline.launch.bench import sse
+from tokenline.launch.bench.http import post_raw
 
 HISTORY = [{"role": "user", "content": "Tell me a story about a fox."}]
 STARTED = [*HISTORY, {"role": "assistant", "content": "Once upon a time"}]
@@ -64,7 +65,7 @@ PARSER_CASES: list[dict[str, Any]] = [
 def _answers(url: str, path: str, body: dict[str, Any]) -> list[Any]:
     """The answer (one, or a stream's chunks) without ids, times and the fingerprint."""
     raw = post_raw(url + path, body)
-    payloads = list(sse_payloads(raw)) if body.get("stream") else [raw]
+    payloads = sse.payloads(raw) if body.get("stream") else [raw]
     out = []
     for payload in payloads:
         data = json.loads(payload)

@@ -25,7 +25,8 @@ import pytest
 
 from tests.conftest import Fleet
 from tests.proxy.conftest import Pipeline
-from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.bench import sse
+from tokenline.launch.bench.http import post, post_raw
 
 END_THINK = 151668  # </think> in the Qwen3 vocabulary
 ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16}$")
@@ -178,9 +179,7 @@ def streamed(raw: bytes) -> dict[str, Any]:
     calls: dict[int, dict[str, Any]] = {}
     logprobs: list[dict[str, Any]] | None = None
     usage = None
-    for payload in sse_payloads(raw):
-        if payload == b"[DONE]":
-            break
+    for payload in sse.payloads(raw):
         chunk = json.loads(payload)
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:
@@ -272,8 +271,8 @@ def test_continuous_usage_counts_reasoning_as_vllms_stream(pair: Pair) -> None:
 
 def _usages(raw: bytes) -> list[dict[str, Any]]:
     found = []
-    for payload in sse_payloads(raw):
-        if payload != b"[DONE]" and (usage := json.loads(payload).get("usage")):
+    for payload in sse.payloads(raw):
+        if usage := json.loads(payload).get("usage"):
             found.append({k: v for k, v in usage.items() if v is not None})
     return found
 

@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from tests.conftest import Fleet
-from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.bench import sse
+from tokenline.launch.bench.http import post, post_raw
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceState
 from tokenline.services.derender.texts import Decoded
 from tokenline.shared.tokenizer import ModelTokenizer
@@ -67,7 +68,7 @@ def test_stream_chunks_decode_and_add_up(fleet: Fleet) -> None:
         "stream_options": {"include_usage": True},
         "sampling_params": {"max_tokens": 5, "temperature": 0, "logprobs": 1},
     }
-    chunks = [GENERATE_CHUNK.decode(p) for p in sse_payloads(post_raw(generate_url(fleet), body))]
+    chunks = [GENERATE_CHUNK.decode(p) for p in sse.payloads(post_raw(generate_url(fleet), body))]
     ids = [i for c in chunks for ch in c.choices for i in (ch.token_ids or [])]
     assert len(ids) == 5
     assert chunks[-1].choices == [] and chunks[-1].usage is not None

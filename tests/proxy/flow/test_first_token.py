@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from tests.proxy.conftest import Tiers, pd_proxy
+from tokenline.launch.bench import sse
 from tokenline.proxy.flow.first_token import FirstToken, for_legs
 from tokenline.shared.errors import Diverged
 from tokenline.shared.wire import (
@@ -223,9 +224,8 @@ async def _proxy(
 
 
 async def _events(resp: Any) -> AsyncIterator[dict[str, Any]]:
-    async for line in resp.content:
-        if line.startswith(b"data: {"):
-            yield json.loads(line[6:])
+    async for payload in sse.aiter_payloads(resp):
+        yield json.loads(payload)
 
 
 COMPLETION = {

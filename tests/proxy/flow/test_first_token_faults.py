@@ -17,6 +17,7 @@ from aiohttp import web
 
 from tests.proxy.conftest import Tiers
 from tests.proxy.flow.test_first_token import COMPLETION, T1, _entry, _proxy
+from tokenline.launch.bench import sse
 
 Plan = Callable[[dict[str, Any], int], "list[int] | str"]
 """What the n-th decode leg (1-based) does with `body`: stream these tokens, or "fail" (500)."""
@@ -132,7 +133,7 @@ class Double:
 
 
 async def _events(resp: Any) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
+    return [json.loads(payload) async for payload in sse.aiter_payloads(resp)]
 
 
 def _token_ids(events: list[dict[str, Any]]) -> list[int]:
@@ -339,10 +340,10 @@ async def test_a_client_that_leaves_after_the_shown_token_aborts_the_decode_leg(
     async with _proxy(aiohttp_client, tiers, double) as client:
         resp = await client.post("/v1/completions", json=COMPLETION)
         assert resp.status == 200
-        line = b""
-        while not line.startswith(b"data: {"):
-            line = await asyncio.wait_for(resp.content.readline(), 5)
-        assert json.loads(line[6:])["choices"][0]["token_ids"] == [T1]
+        reader, events = sse.SseReader(), []
+        while not events:
+            events = reader.feed(await asyncio.wait_for(resp.content.readany(), 5))
+        assert json.loads(events[0])["choices"][0]["token_ids"] == [T1]
         resp.close()
         rid = f"generate-tokens-{double.decodes[0]['request_id']}"
         for _ in range(100):

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
 from tests.proxy.conftest import Tiers, url
+from tokenline.launch.bench import sse
 from tokenline.proxy.api.completions import EventStream
 from tokenline.proxy.app import make_app as make_proxy
 from tokenline.proxy.config import ProxyConfig
@@ -67,19 +68,14 @@ def body(**extra: Any) -> dict[str, Any]:
 def comparable(raw: bytes) -> list[Any]:
     """A stream's events without what differs between two runs of one request."""
     out: list[Any] = []
-    for event in raw.split(b"\n\n"):
-        if not event:
-            continue
-        assert event.startswith(b"data: "), event
-        payload = event[6:]
-        if payload == b"[DONE]":
-            out.append("[DONE]")
-            continue
+    reader = sse.SseReader()
+    for payload in [*reader.feed(raw), *reader.close()]:
         chunk = json.loads(payload)
         chunk.pop("id", None)
         chunk.pop("created", None)
         out.append(chunk)
-    return out
+    assert not reader.ignored, reader.ignored  # every event a data event
+    return [*out, "[DONE]"] if reader.done else out
 
 
 def folded(events: list[Any]) -> list[Any]:
@@ -156,7 +152,7 @@ class Counted:
 def one_id(raw: bytes) -> None:
     """Every chunk of the stream shows one id, the stream's own (chunks passed on as they
     came show it as the first one, shaped by the proxy, does)."""
-    ids = {json.loads(e[6:])["id"] for e in raw.split(b"\n\n") if e and e != b"data: [DONE]"}
+    ids = {chunk["id"] for chunk in sse.chunks(raw)}
     assert len(ids) == 1 and ids.pop().startswith(("chatcmpl-", "cmpl-")), ids
 
 

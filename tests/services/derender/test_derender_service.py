@@ -3,14 +3,14 @@ case, the batched form, and bad input (always a 400 in the envelope, never a 500
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from tests.conftest import Fleet
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS
-from tokenline.launch.bench.http import get, post, post_raw, sse_payloads
+from tokenline.launch.bench.http import get, post, post_raw
 from tokenline.launch.servers import Server
 
 CHAT = {
@@ -29,7 +29,7 @@ def _generated(fleet: Fleet, stream: bool) -> tuple[dict[str, Any], Any]:
     gen |= {"stream": stream}
     url = fleet.generate.url + "/inference/v1/generate"
     if stream:
-        return gen, [json.loads(p) for p in sse_payloads(post_raw(url, gen))]
+        return gen, sse.chunks(post_raw(url, gen))
     return gen, post(url, gen)[1]
 
 

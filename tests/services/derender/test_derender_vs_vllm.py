@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import Fleet
+from tokenline.launch.bench import sse
 from tokenline.launch.bench.corpus import TEXTS, stop_from
-from tokenline.launch.bench.http import post, post_raw, sse_payloads
+from tokenline.launch.bench.http import post, post_raw
 from tokenline.launch.servers import Server
 
 CHAT_CASES: list[dict[str, Any]] = [
@@ -94,7 +95,7 @@ def _generate_body(fleet: Fleet, kind: str, body: dict[str, Any]) -> dict[str, A
 
 def _assemble_stream(raw: bytes, kind: str) -> dict[str, Any]:
     text, logprobs, finish, stop, usage = "", [], None, None, None
-    for payload in sse_payloads(raw):
+    for payload in sse.payloads(raw):
         chunk = json.loads(payload)
         usage = chunk.get("usage") or usage
         for c in chunk["choices"]:
@@ -142,7 +143,7 @@ def _ours_stream(
     raw = post_raw(gen_url, gen)
     state, chunks, matched = None, [], None
     key = "chat_request" if kind == "chat" else "completion_request"
-    for payload in sse_payloads(raw):
+    for payload in sse.payloads(raw):
         body = {
             "stream": True,
             "generate_chunk": json.loads(payload),
