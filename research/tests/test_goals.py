@@ -19,6 +19,8 @@ from research.common import Result, write_points
 from research.goals import Bench, Outcome, Sitting
 from tokenline.launch.bench import pipeline
 
+pytestmark = pytest.mark.research
+
 # --------------------------------------------------------------------------- the checks
 
 

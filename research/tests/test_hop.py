@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 
 from research import relay
 from tokenline.launch.bench import double
 from tokenline.shared.wire import GENERATE_CHUNK
+
+pytestmark = pytest.mark.research
 
 
 async def test_relay_passes_generate_chunks_through_untouched() -> None:

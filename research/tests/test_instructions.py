@@ -21,6 +21,8 @@ NEEDS_VALGRIND = pytest.mark.skipif(
     "instructions under its callgrind tool",
 )
 
+pytestmark = pytest.mark.research
+
 
 def test_instruction_counts_are_read_from_a_callgrind_dump(tmp_path: Path) -> None:
     dump = tmp_path / "proxy.123.2"

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from research.render import drive
+
+pytestmark = pytest.mark.research
 
 
 async def test_drive_posts_the_mix_and_counts_errors(aiohttp_server: Any) -> None:

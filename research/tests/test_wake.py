@@ -18,6 +18,8 @@ from tokenline.services.derender.config import DerenderConfig
 from tokenline.shared.frames import BATCH_SOCKET_PATH
 from tokenline.shared.tokenizer import ModelTokenizer
 
+pytestmark = pytest.mark.research
+
 
 async def test_wake_bench_chains_its_batches_through_derender(
     aiohttp_client: Any, tiny_tok: ModelTokenizer
