@@ -1,21 +1,21 @@
-"""Issue #13's goals, every one checked in one sitting: the benches that measure them run one
-after another on this machine, then one report says which goal is met.
+"""The goal check: every performance goal (`verdicts.GOALS`) measured in one run, the benches
+that measure them one after another on this machine, then one report that says which is met.
 
     python -m research.goals [--out DIR] [--skip NAME ...] [--quick]
 
-runs, each with the issue's setup and in its own process (`--split-cores` pins the process that
+runs, each with the goals' setup and in its own process (`--split-cores` pins the process that
 runs it, and a crash must not take the others down): `e2e` (`tokenline bench --split-cores`,
-16 streams of chat with logprobs against monolithic vLLM and the SGLang gateway: goals 1, 3a,
-4), `double` (`tokenline bench --double`, 16 streams: goal 3b), `render` (against `vllm launch
-render`, 16 connections, a long prompt every fourth: goal 5), `derender` (against vLLM's
-streaming derender, 16 streams: goal 5) and `pd` (P/D against one pool on the same two cores:
-goal 6). It writes DIR/goals.md and DIR/goals.json: per goal met / not met with the measured
-figure and what it was compared with, the time, the commit measured, and where each bench's
-full report and log went. A bench that fails is reported with its error and the others still
-run; the exit status is 1 when a bench failed (not when a goal is not met). `--quick` runs short
-points: a smoke run of the machinery, not a measurement. Hold the machine for the whole sitting
-(`flock /tmp/tokenline-bench.lock ...`, as the other benches are run): the ratios are only
-meaningful when nothing else competes for the cores.
+16 streams of chat with logprobs against monolithic vLLM and the SGLang gateway: goals hop-cpu,
+vs-monolithic, vs-gateway), `double` (`tokenline bench --double`, 16 streams: double-itl,
+double-rate), `render` (against `vllm launch render`, 16 connections, a long prompt every
+fourth), `derender` (against vLLM's streaming derender, 16 streams) and `pd` (P/D against one
+pool on the same two cores: pd-ttft). It writes DIR/goals.md and DIR/goals.json: per goal met /
+not met with the measured figure and what it was compared with, the time, the commit measured,
+and where each bench's full report and log went. A bench that fails is reported with its error
+and the others still run; the exit status is 1 when a bench failed (not when a goal is not
+met). `--quick` runs short points: a smoke run of the machinery, not a measurement. Hold the
+machine for the whole check (`flock /tmp/tokenline-bench.lock ...`, as the other benches are
+run): the ratios are only meaningful when nothing else competes for the cores.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ BENCHES = (
         pd_verdicts,
     ),
 )
-"""In the order they run. Durations are the issue's (double: 30 s in 3 rounds) or the bench's
+"""In the order they run. Durations are the goals' (double: 30 s in 3 rounds) or the bench's
 own defaults (e2e 60 s per point in 3 rounds, render 10 s in 5 rounds, derender 10 s, P/D 20 s
 per setup)."""
 
@@ -150,7 +150,7 @@ def run_bench(bench: Bench, out: Path, quick: bool, timeout: float) -> Outcome:
     wrote. Any failure (exit status, timeout, missing or unreadable figures) is its error."""
     folder = out / bench.name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / bench.result).unlink(missing_ok=True)  # an earlier sitting's figures are not these
+    (folder / bench.result).unlink(missing_ok=True)  # an earlier run's figures are not these
     command = bench.command(folder, quick)
     outcome = Outcome(bench.name, "failed", str(folder), command=command)
     start = time.monotonic()
@@ -257,7 +257,7 @@ class Checked:
 
 
 def checked(outcomes: Sequence[Outcome]) -> list[Checked]:
-    """Every goal, in the issue's order: from its bench's verdicts, or not measured and why."""
+    """Every goal, in `GOALS`' order: from its bench's verdicts, or not measured and why."""
     by = {o.bench: o for o in outcomes}
     out = []
     for goal in GOALS:
@@ -274,7 +274,7 @@ def checked(outcomes: Sequence[Outcome]) -> list[Checked]:
 
 
 @dataclass(frozen=True)
-class Sitting:
+class Provenance:
     """When the benches ran, on which commit, and how."""
 
     started: str
@@ -284,21 +284,21 @@ class Sitting:
     quick: bool
 
 
-def markdown(sitting: Sitting, outcomes: Sequence[Outcome]) -> str:
-    commit = sitting.commit or "unknown (not a git checkout)"
-    if sitting.uncommitted:
+def markdown(provenance: Provenance, outcomes: Sequence[Outcome]) -> str:
+    commit = provenance.commit or "unknown (not a git checkout)"
+    if provenance.uncommitted:
         commit += " (with uncommitted changes)"
     lines = [
-        "# Issue #13's goals, one sitting",
+        "# tokenline's performance goals, checked",
         "",
-        f"From {sitting.started} to {sitting.finished}, commit {commit}, {LEVEL} streams.",
+        f"From {provenance.started} to {provenance.finished}, commit {commit}, {LEVEL} streams.",
         "",
     ]
-    if sitting.quick:
+    if provenance.quick:
         lines += ["**--quick: short points, a smoke run of the machinery, not a measurement.**", ""]
     lines += ["| goal | | status | measured | against |", "|---|---|---|---|---|"]
     for c in checked(outcomes):
-        cells = (c.goal.item, c.goal.text, c.status, c.measured, c.against)
+        cells = (c.goal.key, c.goal.text, c.status, c.measured, c.against)
         lines.append("| " + " | ".join(map(_cell, cells)) + " |")
     lines += ["", "| bench | status | full report | log |", "|---|---|---|---|"]
     for o in outcomes:
@@ -312,13 +312,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def to_json(sitting: Sitting, outcomes: Sequence[Outcome]) -> dict[str, Any]:
+def to_json(provenance: Provenance, outcomes: Sequence[Outcome]) -> dict[str, Any]:
     goals = [
-        {"key": c.goal.key, "item": c.goal.item, "goal": c.goal.text, "bench": c.goal.bench}
+        {"key": c.goal.key, "goal": c.goal.text, "bench": c.goal.bench}
         | {"status": c.status, "measured": c.measured, "against": c.against}
         for c in checked(outcomes)
     ]
-    return asdict(sitting) | {"goals": goals, "benches": [asdict(o) for o in outcomes]}
+    return asdict(provenance) | {"goals": goals, "benches": [asdict(o) for o in outcomes]}
 
 
 def commit(tree: Path) -> tuple[str | None, bool]:
@@ -349,7 +349,11 @@ TREE = Path(__file__).resolve().parents[1]  # the checkout whose code the benche
 def main(argv: list[str] | None = None, benches: Sequence[Bench] = BENCHES) -> int:
     parser = argparse.ArgumentParser(prog="python -m research.goals", description=__doc__)
     names = [b.name for b in benches]
-    parser.add_argument("--out", default=str(Path("build") / "bench" / "goals"))
+    parser.add_argument(
+        "--out",
+        default=str(Path("build") / "bench" / "goals"),
+        help="folder for the report (goals.md, goals.json) and each bench's own folder",
+    )
     parser.add_argument("--skip", nargs="+", action="extend", default=[], choices=names)
     parser.add_argument("--quick", action="store_true", help="short points: a smoke run")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per bench")
@@ -358,10 +362,10 @@ def main(argv: list[str] | None = None, benches: Sequence[Bench] = BENCHES) -> i
     out.mkdir(parents=True, exist_ok=True)
     started = _now()
     outcomes = run_all(benches, out, args.quick, args.skip, args.timeout)
-    sitting = Sitting(started, _now(), *commit(TREE), args.quick)
-    text = markdown(sitting, outcomes)
+    provenance = Provenance(started, _now(), *commit(TREE), args.quick)
+    text = markdown(provenance, outcomes)
     (out / "goals.md").write_text(text)
-    (out / "goals.json").write_text(json.dumps(to_json(sitting, outcomes), indent=2))
+    (out / "goals.json").write_text(json.dumps(to_json(provenance, outcomes), indent=2))
     print(text)
     print(f"written: {out / 'goals.md'}, goals.json")
     return 1 if any(o.status == "failed" for o in outcomes) else 0

@@ -11,7 +11,8 @@ dumps the counters before and after it), and divides by the tokens delivered; wi
 it does the same for another checkout of tokenline and prints the ratios.
 
 What it does not count: the kernel (loopback sends, wake-ups) and stalls, which make up much of
-the CPU time under load (stop 31: 17-20% fewer instructions in the proxy were 8-10% less CPU).
+the CPU time under load (measured once: 17-20% fewer instructions in the proxy were 8-10% less
+CPU).
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m research.instructions \\
         [--streams 16] [--tokens 64] [--rate 4] [--against ../other-checkout]

@@ -6,16 +6,16 @@ so tokens/s is 1 / (the model's CPU per token), and that falls with the tokens e
 carries. Per turn this prints, from vLLM's `/metrics` (and the proxy's, for tokenline's turns):
 tokens per engine step (`vllm:iteration_tokens_total`), vLLM's own TTFT (its server's arrival
 to its first token) with the queue time and prefill time inside it (the engine's: scheduled to
-first token), and the proxy's TTFT with its render and derender hops' mean latency. Stop 28
-found tokenline's steps ~8% emptier than the engine alone's, and vLLM's TTFT for tokenline's
-requests twice the engine alone's; stop 29 found the same with vLLM's servers at nice -10,
-and the engine alone's as slow with a synthetic bursty load on the front core: the front
-core's load, not tokenline's requests, and not vLLM's share of that core's CPU.
+first token), and the proxy's TTFT with its render and derender hops' mean latency. It found
+tokenline's steps ~8% emptier than the engine alone's, and vLLM's TTFT for tokenline's
+requests twice the engine alone's; then the same with vLLM's servers at nice -10, and the
+engine alone's as slow with a synthetic bursty load on the front core: the front core's load,
+not tokenline's requests, and not vLLM's share of that core's CPU.
 
 `--cpu-policies batch normal` compares scheduling policies for tokenline's front end in one
 run: before each of tokenline's turns its services' threads are put under the next policy in
-turn (`--cpu-policy`; the order rotates each round), the engine alone between. Stop 30 found
-the engine's steps fuller under SCHED_BATCH in every pair, and vLLM's TTFT lower.
+turn (`--cpu-policy`; the order rotates each round), the engine alone between. It found the
+engine's steps fuller under SCHED_BATCH in every pair, and vLLM's TTFT lower.
 tokenline's turns also print its services' CPU per output token.
 
     flock /tmp/tokenline-bench.lock .venv/bin/python -m research.steps \\
@@ -108,7 +108,7 @@ def main() -> None:
     if split is not None:
         split.apply_here()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
-    mix = load.request_mix(64, chat_share=1, logprobs_share=1)  # issue #13's setup
+    mix = load.request_mix(64, chat_share=1, logprobs_share=1)  # the goals' setup
     with lineup.tokenline(model, mix) as (ours, alone):
         if split is not None and split.pin_models([ours.server]) < 1:
             raise SystemExit("--split-cores: the engine has no EngineCore process to pin")

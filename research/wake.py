@@ -1,8 +1,8 @@
 """What a wake-up costs: derender's CPU per batch item when its batches come back to back
 against when they come paced, one per engine step, and an echo the same two ways.
 
-The hop bench's derender spends ~2x per item what the same items cost it back to back (stop 32:
-50-60 against 22-30 us). Its work is the same either way; what differs is that, paced, the
+The hop bench's derender spends ~2x per item what the same items cost it back to back (50-60
+against 22-30 us, measured once). Its work is the same either way; what differs is that, paced, the
 process sleeps between batches while others run, and each batch starts on cold caches (and on
 this VM, a halted virtual CPU). This bench measures that directly, on the real derender's batch
 socket (`shared/frames.py`), with batches the way the proxy builds them: one call per stream,

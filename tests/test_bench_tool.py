@@ -57,7 +57,7 @@ def test_mix_is_seeded_and_varied() -> None:
     assert {s.kind for s in a} == {"chat", "completion"}
     assert len({s.body["max_tokens"] for s in a}) > 1
     assert any("logprobs" in s.body for s in a) and not all("logprobs" in s.body for s in a)
-    # the issue's setup: every request a chat with top-2 logprobs
+    # the goals' setup: every request a chat with top-2 logprobs
     chats = request_mix(16, chat_share=1.0, logprobs_share=1.0)
     assert all(s.kind == "chat" and s.body["top_logprobs"] == 2 for s in chats)
 
@@ -238,7 +238,7 @@ def test_double_run_checks_the_front_end_goals() -> None:
 
 
 def test_vllm_run_checks_proxy_and_derender_cpu_per_token() -> None:
-    """Goal 1 adds proxy and derender (not render) from the per-process split, and is left out
+    """The CPU goal adds proxy and derender (not render) from the per-process split, and is left out
     when the split lacks either of them."""
     points = [_point(t, 16, r, f) for t, r, f in RATES]
     points[2]["cpu_front_parts_us"] = {"bench-proxy": 50.0, "bench-render": 10.0}

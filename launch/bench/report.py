@@ -1,6 +1,6 @@
 """`tokenline bench`'s report: a Markdown table per load level (every target side by side, its
 output tokens/s against monolithic vLLM's, latency, CPU per token where it is spent), ratio
-lines, the issue's goals checked, the exactness table, and PNG plots. Pure: built from the run's
+lines, the performance goals checked, the exactness table, and PNG plots. Pure: built from the run's
 JSON result."""
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def _pair(ours: str, peer: str, a: dict[str, Any], b: dict[str, Any]) -> str:
     )
 
 
-DOUBLE_ITL_MS = 0.3  # issue #13: added ITL p50 against the generate double, at most
+# The performance goals this report checks (docs/performance.md)
+DOUBLE_ITL_MS = 0.3  # added ITL p50 against the generate double, at most
 DOUBLE_TOKENS_S = 20_000  # and output tokens/s through one proxy process, at least
-HOP_US = 80  # issue #13: proxy + derender CPU per output token end to end, at most
-# The processes goal 1 counts (the issue names proxy and derender; render's cost is per
-# request, not per token), as lineup.py names them.
+HOP_US = 80  # proxy + derender CPU per output token end to end, at most
+# The processes the CPU goal counts (proxy and derender; render's cost is per request, not per
+# token), as lineup.py names them.
 HOP_PROCESSES = ("bench-proxy", "bench-derender")
 
 
@@ -115,7 +116,8 @@ def _double_goals(ours: dict[str, Any], double: dict[str, Any]) -> list[str]:
 
 
 def goals(by: dict[tuple[str, int], dict[str, Any]], level: int, mode: str = "vllm") -> list[str]:
-    """Issue #13's end-to-end goals at this level, checked (items 1, 3 and 4)."""
+    """The end-to-end goals at this level, checked: against monolithic vLLM and the gateway,
+    and proxy + derender CPU per token (or, on the double, added ITL and tokens/s)."""
     ours = by.get(("tokenline", level))
     if ours is None:
         return []

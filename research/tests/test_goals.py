@@ -16,7 +16,7 @@ import pytest
 
 from research import derender, goals, pd, render, verdicts
 from research.common import Result, write_points
-from research.goals import Bench, Outcome, Sitting
+from research.goals import Bench, Outcome, Provenance
 from tokenline.launch.bench import pipeline
 
 pytestmark = pytest.mark.research
@@ -44,38 +44,41 @@ def _vllm_run(parts: dict[str, float], exact: int = 2, cases: int = 2) -> dict[s
     return {"points": points, "exactness": {"cases": rows}}
 
 
-ISSUE_SPLIT = {"bench-proxy": 50.0, "bench-render": 10.0, "bench-derender": 31.0}
+NEAR_SPLIT = {"bench-proxy": 50.0, "bench-render": 10.0, "bench-derender": 31.0}
 
 
 def test_end_to_end_goals_from_the_runs_figures() -> None:
-    """The issue's own split (proxy 50, render 10, derender 31) misses goal 1 by a microsecond:
+    """A split of proxy 50, render 10, derender 31 misses the hop-cpu goal by a microsecond:
     render is not counted, proxy and derender are."""
-    v = verdicts.e2e_verdicts(_vllm_run(ISSUE_SPLIT))
-    assert not v["1"].met
-    assert v["1"].measured == "81.0 us (bench-proxy 50.0 + bench-derender 31.0)"
-    assert v["1"].against == "threshold 80 us"
-    assert verdicts.e2e_verdicts(_vllm_run(ISSUE_SPLIT | {"bench-derender": 30.0}))["1"].met
-    assert v["3a"].met and v["3a"].measured == "1100 tok/s, TTFT p50 39.0 ms (1.10x)"
-    assert v["3a"].against == "monolithic 1000 tok/s, TTFT p50 40.0 ms"
-    assert v["4"].met and v["4"].measured == "1100 tok/s (1.05x), logprobs exact in 2/2 cases"
-    assert v["4"].against == "gateway 1050 tok/s"
+    v = verdicts.e2e_verdicts(_vllm_run(NEAR_SPLIT))
+    assert not v["hop-cpu"].met
+    assert v["hop-cpu"].measured == "81.0 us (bench-proxy 50.0 + bench-derender 31.0)"
+    assert v["hop-cpu"].against == "threshold 80 us"
+    assert verdicts.e2e_verdicts(_vllm_run(NEAR_SPLIT | {"bench-derender": 30.0}))["hop-cpu"].met
+    mono, gateway = v["vs-monolithic"], v["vs-gateway"]
+    assert mono.met and mono.measured == "1100 tok/s, TTFT p50 39.0 ms (1.10x)"
+    assert mono.against == "monolithic 1000 tok/s, TTFT p50 40.0 ms"
+    assert gateway.met and gateway.measured == "1100 tok/s (1.05x), logprobs exact in 2/2 cases"
+    assert gateway.against == "gateway 1050 tok/s"
 
 
 def test_faster_is_not_enough() -> None:
-    """3a also wants TTFT no worse; 4 also wants every logprob exact (and the check run)."""
-    result = _vllm_run(ISSUE_SPLIT, exact=1)
+    """vs-monolithic also wants TTFT no worse; vs-gateway also wants every logprob exact (and the
+    check run)."""
+    result = _vllm_run(NEAR_SPLIT, exact=1)
     result["points"][0]["ttft_p50_ms"] = 40.5
     v = verdicts.e2e_verdicts(result)
-    assert not v["3a"].met and "(1.10x)" in v["3a"].measured
-    assert not v["4"].met and v["4"].measured.endswith("logprobs exact in 1/2 cases")
+    assert not v["vs-monolithic"].met and "(1.10x)" in v["vs-monolithic"].measured
+    gateway = v["vs-gateway"]
+    assert not gateway.met and gateway.measured.endswith("logprobs exact in 1/2 cases")
     del result["exactness"]
-    assert not verdicts.e2e_verdicts(result)["4"].met
+    assert not verdicts.e2e_verdicts(result)["vs-gateway"].met
 
 
 def test_a_goal_without_its_figures_gets_no_verdict() -> None:
     result = _vllm_run({"bench-proxy": 50.0, "bench-render": 10.0})
     result["points"] = [p for p in result["points"] if p["target"] != "gateway"]
-    assert set(verdicts.e2e_verdicts(result)) == {"3a"}  # no derender figure, no gateway
+    assert set(verdicts.e2e_verdicts(result)) == {"vs-monolithic"}  # no derender figure, no gateway
     result["points"][0]["level"] = 4
     assert verdicts.e2e_verdicts(result) == {}  # tokenline not measured at 16
 
@@ -94,22 +97,22 @@ def test_double_goals_are_added_itl_and_tokens_per_second() -> None:
     ours = _point("tokenline", 21_000.0, itl=0.55)
     result = {"points": [ours, _point("engine", 40_000.0, itl=0.2)]}
     v = verdicts.double_verdicts(result)
-    assert not v["3b-itl"].met and v["3b-itl"].measured == "ITL p50 0.550 ms (+0.350 ms)"
-    assert v["3b-rate"].met and v["3b-rate"].measured == "21,000 tok/s"
+    assert not v["double-itl"].met and v["double-itl"].measured == "ITL p50 0.550 ms (+0.350 ms)"
+    assert v["double-rate"].met and v["double-rate"].measured == "21,000 tok/s"
     ours["itl_p50_ms"] = 0.5
-    assert verdicts.double_verdicts(result)["3b-itl"].met
+    assert verdicts.double_verdicts(result)["double-itl"].met
 
 
 def test_render_derender_and_pd_goals() -> None:
     rendered = {"long_every": 4, "points": [_ratio_point(4, 9.0), _ratio_point(16, 2.9)]}
-    v = verdicts.render_verdicts(rendered)["5-render"]
+    v = verdicts.render_verdicts(rendered)["render"]
     assert not v.met and v.measured == "290 req/s (2.90x)"  # the point at 16, not at 4
     assert v.against == "vllm launch render 100 req/s (long prompt every 4)"
     detok = {"points": [_ratio_point(16, 5.0, unit="chunks")]}
-    assert verdicts.derender_verdicts(detok)["5-derender"].met
+    assert verdicts.derender_verdicts(detok)["derender"].met
     assert verdicts.derender_verdicts({"points": [_ratio_point(64, 9.0, unit="chunks")]}) == {}
     setups = {"one": {"ttft_p50_ms": 50.0}, "pd": {"ttft_p50_ms": 101.0}}
-    v = verdicts.pd_verdicts({"streams": 16, "setups": setups})["6"]
+    v = verdicts.pd_verdicts({"streams": 16, "setups": setups})["pd-ttft"]
     assert not v.met and v.measured == "TTFT p50 101 ms (2.02x)"
     assert v.against == "one pool 50 ms"
     assert verdicts.pd_verdicts({"streams": 16, "setups": {"pd": setups["pd"]}}) == {}
@@ -135,7 +138,7 @@ def test_a_benchs_written_points_read_back_as_its_checks_take_them(tmp_path: Pat
     write_points(path, {"long_every": 4, "duration_s": 10.0}, [_ratio_point(16, 3.5)])
     figures = json.loads(path.read_text())
     assert figures["duration_s"] == 10.0
-    assert verdicts.render_verdicts(figures)["5-render"].measured == "350 req/s (3.50x)"
+    assert verdicts.render_verdicts(figures)["render"].measured == "350 req/s (3.50x)"
 
 
 def test_render_and_derender_figures_are_what_the_checks_read() -> None:
@@ -146,10 +149,10 @@ def test_render_and_derender_figures_are_what_the_checks_read() -> None:
     )
     assert points[0]["ratio"] == 3.0 and points[0]["tokenline_cpu_us_per_request"] == 1000.0
     assert points[0]["vllm_errors"] == 1 and points[0]["vllm_cpu_us_per_request"] == 5000.0
-    assert verdicts.render_verdicts({"long_every": 4, "points": points})["5-render"].met
+    assert verdicts.render_verdicts({"long_every": 4, "points": points})["render"].met
     chunks = derender.point(Result("tokenline", 16, 500, 1.0, [], 0, 900), theirs)
     assert chunks["ratio"] == 5.0 and chunks["tokenline_tokens_per_s"] == 900.0
-    assert verdicts.derender_verdicts({"points": [chunks]})["5-derender"].met
+    assert verdicts.derender_verdicts({"points": [chunks]})["derender"].met
     idle = Result("vllm", 16, 0, 1.0, [], 0)
     assert derender.point(mine, idle)["ratio"] is None  # JSON has no infinity
     assert verdicts.derender_verdicts({"points": [derender.point(mine, idle)]}) == {}
@@ -161,7 +164,7 @@ def _parsed(bench: Bench, add: Any, quick: bool, skip: int) -> argparse.Namespac
     return parser.parse_args(bench.command(Path("/x/y"), quick)[skip:])
 
 
-def test_each_bench_is_started_with_the_issues_setup() -> None:
+def test_each_bench_is_started_with_the_goals_setup() -> None:
     """The commands parse with the benches' own arguments; --quick only shortens them."""
     by = {b.name: b for b in goals.BENCHES}
     assert list(by) == ["e2e", "double", "render", "derender", "pd"]
@@ -187,7 +190,7 @@ def test_each_bench_is_started_with_the_issues_setup() -> None:
 WRITE = "import json, sys; open(sys.argv[-1], 'w').write(json.dumps({}))"
 
 
-def _bench(name: str, code: str, goal_key: str = "5-render") -> Bench:
+def _bench(name: str, code: str, goal_key: str = "render") -> Bench:
     """A stand-in bench: python -c CODE, given its JSON path last; checked like render."""
     return Bench(
         name, ("-c", code), ("--flag",), ("--short",), f"{name}.json", "log.txt",
@@ -205,7 +208,7 @@ def test_a_bench_that_fails_hangs_or_writes_nothing_is_failed(tmp_path: Path) ->
     assert out.error == f"exit status 1: boom: no engine (log: {tmp_path}/crash/log.txt)"
     assert "starting" in (tmp_path / "crash" / "log.txt").read_text()
     (tmp_path / "silent").mkdir()
-    (tmp_path / "silent" / "silent.json").write_text(json.dumps(FIGURES))  # an earlier sitting's
+    (tmp_path / "silent" / "silent.json").write_text(json.dumps(FIGURES))  # an earlier run's
     silent = goals.run_bench(_bench("silent", "pass"), tmp_path, quick=False, timeout=60)
     assert silent.error == f"wrote no figures: {tmp_path}/silent/silent.json"
     hang = goals.run_bench(_bench("hang", "import time; time.sleep(60)"), tmp_path, False, 0.5)
@@ -235,11 +238,13 @@ def test_a_bench_that_ran_is_checked_and_quick_reaches_it(tmp_path: Path) -> Non
     assert out.report == str(tmp_path / "render" / "log.txt")
     assert out.command[-2:] == ["--json", str(tmp_path / "render" / "render.json")]
     assert "['--flag', '--short', '--json']" in (tmp_path / "render" / "log.txt").read_text()
-    assert not out.verdicts["5-render"].met
+    assert not out.verdicts["render"].met
 
 
-def _sitting(quick: bool = False) -> Sitting:
-    return Sitting("2025-01-01T00:00:00+00:00", "2025-01-01T00:30:00+00:00", "abc123", True, quick)
+def _provenance(quick: bool = False) -> Provenance:
+    return Provenance(
+        "2025-01-01T00:00:00+00:00", "2025-01-01T00:30:00+00:00", "abc123", True, quick
+    )
 
 
 def test_the_report_has_a_line_per_goal_even_when_its_bench_failed() -> None:
@@ -248,13 +253,23 @@ def test_the_report_has_a_line_per_goal_even_when_its_bench_failed() -> None:
     failed = Outcome("e2e", "failed", "/o/e2e", error="exit status 1: a|b")
     empty = Outcome("pd", "ran", "/o/pd", report="/o/pd/pd.md")  # no figures at 16 streams
     outcomes = [failed, Outcome("double", "skipped", "/o/double"), ran, empty]
-    text = goals.markdown(_sitting(), outcomes)
-    rows = [line for line in text.splitlines() if re.match(r"\| \d", line)]
-    assert [r.split(" | ")[0][2:] for r in rows] == ["1", "3a", "3b", "3b", "4", "5", "5", "6"]
+    text = goals.markdown(_provenance(), outcomes)
+    table = next(block for block in text.split("\n\n") if block.startswith("| goal |"))
+    rows = table.splitlines()[2:]
+    assert [r.split(" | ")[0][2:] for r in rows] == [
+        "hop-cpu",
+        "vs-monolithic",
+        "double-itl",
+        "double-rate",
+        "vs-gateway",
+        "render",
+        "derender",
+        "pd-ttft",
+    ]
     assert rows[0].endswith("| not measured | e2e failed | — |")
     assert rows[2].endswith("| not measured | double skipped | — |")
     assert "| not met | 250 req/s (2.50x) | vllm launch render 100 req/s" in rows[5]
-    assert rows[6].endswith("| not measured | not run | — |")  # derender: not in this sitting
+    assert rows[6].endswith("| not measured | not run | — |")  # derender: not in this run
     assert rows[7].endswith("| not measured | no figure at 16 in pd's results | — |")
     assert "| e2e | failed: exit status 1: a\\|b | — | /o/e2e/log.txt |" in text
     assert "| double | skipped (--skip) | — | — |" in text
@@ -262,8 +277,8 @@ def test_the_report_has_a_line_per_goal_even_when_its_bench_failed() -> None:
     assert (
         "commit abc123 (with uncommitted changes)" in text and "2025-01-01T00:30:00+00:00" in text
     )
-    assert "smoke run" not in text and "smoke run" in goals.markdown(_sitting(True), outcomes)
-    saved = goals.to_json(_sitting(), outcomes)
+    assert "smoke run" not in text and "smoke run" in goals.markdown(_provenance(True), outcomes)
+    saved = goals.to_json(_provenance(), outcomes)
     assert [g["status"] for g in saved["goals"]].count("not met") == 1
     assert saved["benches"][0]["error"] == "exit status 1: a|b" and saved["quick"] is False
 
@@ -285,7 +300,7 @@ def test_main_goes_on_after_a_failure_and_exits_non_zero(tmp_path: Path) -> None
     assert not (out / "skipped" / "log.txt").exists()
     assert re.fullmatch(r"[0-9a-f]{40}", saved["commit"])  # this checkout's
     assert (
-        "| 5 | render >= 3x `vllm launch render` requests/s | not met |"
+        "| render | render >= 3x `vllm launch render` requests/s | not met |"
         in (out / "goals.md").read_text()
     )
     # every bench ran: a goal not met is no failure
