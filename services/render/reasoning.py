@@ -9,18 +9,13 @@ from typing import Any
 
 from tokenline.services.derender.parsers import REASONING_PARSERS, ParserOptions
 from tokenline.services.derender.parsers.adjust import thinking_override
+from tokenline.services.render.template_kwargs import given
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import ChatCompletionRequest
 
-UNSET_VALUES = (None, "auto")
-"""Template kwargs vLLM's `merge_kwargs` treats as not given."""
 SERVER_DEFAULTS = {"cohere_format": "cmd4"}
 """vLLM's `--default-chat-template-kwargs` always holds `cohere_format` (its `--cohere-format`
 flag's default)."""
-
-
-def _given(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if not any(v is u or v == u for u in UNSET_VALUES)}
 
 
 def effective_template_kwargs(
@@ -35,8 +30,8 @@ def effective_template_kwargs(
         "reasoning_effort": request.reasoning_effort,
         **thinking_override(request),
     }
-    own = dict(request.chat_template_kwargs or {}) | _given(extras)
-    return {**defaults, **SERVER_DEFAULTS} | _given(own)
+    own = dict(request.chat_template_kwargs or {}) | given(extras)
+    return {**defaults, **SERVER_DEFAULTS} | given(own)
 
 
 class _Vocab(Mapping[str, int]):

@@ -7,16 +7,15 @@ generate server should never see.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import jinja2
 import msgspec
 
-from tokenline.services.derender.parsers.adjust import skips_special_tokens, thinking_override
+from tokenline.services.derender.parsers.adjust import skips_special_tokens
+from tokenline.services.render import reuse
 from tokenline.services.render.bounds import (
     Bounds,
     check_choices,
@@ -24,6 +23,7 @@ from tokenline.services.render.bounds import (
     check_prompt_chars,
     check_stops,
 )
+from tokenline.services.render.chat import MEDIA_KWARGS, chat_checks, chat_prompt
 from tokenline.services.render.constraints import constraint_of
 from tokenline.services.render.reasoning import effective_template_kwargs, reasoning_fields
 from tokenline.services.render.sampling import (
@@ -32,11 +32,9 @@ from tokenline.services.render.sampling import (
     prompt_logprobs_of,
     sampling_params,
 )
+from tokenline.services.render.template_kwargs import tokenizes
 from tokenline.services.render.tools import (
     ToolFlags,
-    check_parser,
-    check_structured_with_tools,
-    check_tools,
     tool_constraint,
 )
 from tokenline.shared.errors import BadRequest
@@ -46,24 +44,10 @@ from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     NOT_HONOURED,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     GenerateRequest,
     SamplingFields,
     TokenIds,
-)
-
-# What a chat template can raise on input it was not written for (a number where it iterates,
-# a missing key, nesting too deep): the request's fault, never the replica's.
-TEMPLATE_FAILURES = (
-    jinja2.TemplateError,
-    TypeError,
-    ValueError,
-    KeyError,
-    IndexError,
-    AttributeError,
-    RecursionError,
-    OverflowError,
 )
 
 
@@ -99,6 +83,8 @@ def check_model(model: str | None, settings: RenderSettings) -> str:
 def _refuse_not_honoured(request: SamplingFields) -> None:
     """A vLLM field tokenline cannot honour is a 400 naming it, never silently ignored."""
     for name, unset in NOT_HONOURED.items():
+        if name in MEDIA_KWARGS:  # refused by vLLM's own rule, empty ones pass (chat)
+            continue
         value = getattr(request, name, None)
         if value is None and None in unset:  # not sent: nearly always, so checked first
             continue
@@ -132,157 +118,6 @@ def _valid_salt(salt: str) -> bool:
 
 
 # --------------------------------------------------------------------------- chat
-
-
-def _content(message: ChatMessage, index: int, content_format: str) -> Any:
-    """A message's content as vLLM hands it to the template.
-
-    - "string" format: the text, the non-empty text parts joined by newlines (vLLM collects
-      only parts that give text), None as "".
-    - "openai" format (a template that loops over the parts): the text parts as they were sent,
-      empty ones included, those with a null text left out (vLLM skips those with a warning); a
-      string is one part.
-
-    The served models are text-only: any other part (an image, audio) is a 400, as in vLLM,
-    never silently dropped."""
-    content = message.content
-    if content is None or isinstance(content, str):
-        text = content or ""
-        return [{"type": "text", "text": text}] if content_format == "openai" else text
-    for j, part in enumerate(content):
-        if part.type != "text":
-            raise BadRequest(
-                f"content part type {part.type!r} is not supported: this model takes text only",
-                param=f"messages[{index}].content[{j}]",
-            )
-    if content_format == "openai":
-        return [{"type": "text", "text": p.text} for p in content if p.text is not None]
-    return "\n".join(p.text for p in content if p.text)
-
-
-def _tool_calls(message: ChatMessage, index: int) -> list[dict[str, Any]] | None:
-    """Tool-call arguments as dicts, as templates expect (vLLM parses the JSON string)."""
-    if not message.tool_calls:
-        return None
-    calls = []
-    for j, call in enumerate(message.tool_calls):
-        raw = msgspec.to_builtins(call)
-        args = call.function.arguments
-        if isinstance(args, str):
-            try:
-                parsed = json.loads(args) if args else {}
-            except json.JSONDecodeError:
-                parsed = {}
-            except RecursionError as exc:
-                raise BadRequest(
-                    "tool call arguments are nested too deeply",
-                    param=f"messages[{index}].tool_calls[{j}].function.arguments",
-                ) from exc
-            raw["function"]["arguments"] = parsed if isinstance(parsed, dict) else {}
-        elif args is None:
-            raw["function"]["arguments"] = {}
-        calls.append(raw)
-    return calls
-
-
-def conversation(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them."""
-    out = []
-    for index, message in enumerate(messages):
-        item: dict[str, Any] = {
-            "role": message.role,
-            "content": _content(message, index, content_format),
-        }
-        if message.role == "assistant" and (calls := _tool_calls(message, index)) is not None:
-            item["tool_calls"] = calls
-        if message.role == "assistant" and message.reasoning is not None:
-            item["reasoning"] = item["reasoning_content"] = message.reasoning
-        if message.role == "tool" and message.tool_call_id is not None:
-            item["tool_call_id"] = message.tool_call_id
-        if message.name is not None:
-            item["name"] = message.name
-        out.append(item)
-    return out
-
-
-def _template_kwargs(request: ChatCompletionRequest, settings: RenderSettings) -> dict[str, Any]:
-    kwargs = dict(settings.default_chat_template_kwargs)
-    kwargs |= request.chat_template_kwargs or {}
-    if request.reasoning_effort is not None:  # vLLM passes it, and thinking follows it
-        kwargs |= {"reasoning_effort": request.reasoning_effort, **thinking_override(request)}
-    untrusted = request.chat_template is not None or "chat_template" in kwargs
-    if untrusted and not settings.trust_request_chat_template:
-        raise BadRequest(
-            "Chat template is passed with request, but --trust-request-chat-template "
-            "is not set. Refused request with untrusted chat template.",
-            param="chat_template",
-        )
-    for reserved in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
-        kwargs.pop(reserved, None)
-    return kwargs
-
-
-def _template_tools(request: ChatCompletionRequest) -> list[Any] | None:
-    """Tools as vLLM dumps them for the template: `strict` only when given."""
-    if request.tools is None:
-        return None
-    dumped = [msgspec.to_builtins(t) for t in request.tools]
-    for tool in dumped:
-        if tool["function"].get("strict") is None:
-            tool["function"].pop("strict", None)
-    return dumped
-
-
-def chat_prompt(
-    request: ChatCompletionRequest, tok: ModelTokenizer, settings: RenderSettings
-) -> str:
-    if request.continue_final_message and request.add_generation_prompt:
-        raise BadRequest(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-            param="continue_final_message",
-        )
-    kwargs = _template_kwargs(request, settings)
-    template = request.chat_template or kwargs.pop("chat_template", None)
-    check_tools(request)
-    check_structured_with_tools(request)
-    check_parser(request, settings.tools)
-    tools = _template_tools(request)
-    messages = conversation(request.messages, tok.content_format)
-
-    def apply(tools: list[Any] | None, kwargs: dict[str, Any]) -> str:
-        return tok.apply_chat_template(
-            messages,
-            tools=tools,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            template=template,
-            kwargs=kwargs,
-        )
-
-    try:
-        return apply(tools, kwargs)
-    except TEMPLATE_FAILURES as exc:
-        param = _template_culprit(apply, tools, kwargs, request)
-        raise BadRequest(f"chat template error: {exc!r}", param=param) from exc
-
-
-def _template_culprit(
-    apply: Any, tools: list[Any] | None, kwargs: dict[str, Any], request: ChatCompletionRequest
-) -> str:
-    """The request field a template failed on: the one whose removal lets it render."""
-    candidates: list[tuple[str, list[Any] | None, dict[str, Any]]] = []
-    if request.chat_template_kwargs:
-        own = {k: v for k, v in kwargs.items() if k not in request.chat_template_kwargs}
-        candidates.append(("chat_template_kwargs", tools, own))
-    if tools:
-        candidates.append(("tools", None, kwargs))
-    for name, without_tools, without_kwargs in candidates:
-        try:
-            apply(without_tools, without_kwargs)
-        except TEMPLATE_FAILURES:
-            continue
-        return name
-    return "messages"
 
 
 def _chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -344,13 +179,12 @@ def render_chat(
     bounds = settings.bounds
     check_stops(stop_list(request.stop), bounds)
     check_choices(1, request.n, bounds)
-    prompt = chat_prompt(request, tok, settings)
-    if request.truncate_prompt_tokens is None:
-        check_prompt_chars(len(prompt), settings.max_model_len, tok.max_token_chars, "messages")
-    token_ids = tok.encode(prompt, add_special_tokens=bool(request.add_special_tokens))
-    token_ids = truncated(token_ids, request, settings.max_model_len)
-    if not token_ids:
-        raise BadRequest("No token_ids rendered", param="messages")
+    forwarded, kv_transfer_params = reuse.split(request.kv_transfer_params)
+    token_ids = reuse.reused_ids(forwarded, request, tok)
+    if token_ids is None:
+        token_ids = _chat_token_ids(request, tok, settings)
+    else:
+        chat_checks(request, settings)
     requested, param = (
         (request.max_completion_tokens, "max_completion_tokens")
         if request.max_completion_tokens is not None
@@ -362,7 +196,25 @@ def render_chat(
     check_logprob_entries(logprobs, max_tokens, request.n, bounds, "top_logprobs")
     request_id = "chatcmpl-" + (header_request_id or request.request_id or random_id())
     gen = _generate_request(request, request_id, token_ids, model, max_tokens, logprobs, tok)
+    gen = msgspec.structs.replace(gen, kv_transfer_params=kv_transfer_params)
     return _with_parsers(gen, request, tok, settings)
+
+
+def _chat_token_ids(
+    request: ChatCompletionRequest, tok: ModelTokenizer, settings: RenderSettings
+) -> list[int]:
+    """The templated chat, tokenized (without special tokens when the request's template
+    kwargs ask transformers to tokenize, as vLLM's render then does) and truncated."""
+    prompt = chat_prompt(request, tok, settings)
+    if request.truncate_prompt_tokens is None:
+        check_prompt_chars(len(prompt), settings.max_model_len, tok.max_token_chars, "messages")
+    special = bool(request.add_special_tokens) and not tokenizes(request.chat_template_kwargs)
+    token_ids = truncated(
+        tok.encode(prompt, add_special_tokens=special), request, settings.max_model_len
+    )
+    if not token_ids:
+        raise BadRequest("No token_ids rendered", param="messages")
+    return token_ids
 
 
 def _with_parsers(
@@ -457,6 +309,37 @@ def _not_empty(prompts: list[list[int]]) -> list[list[int]]:
     return prompts
 
 
+def _check_suffix(request: CompletionRequest) -> None:
+    """vLLM's rules for `suffix`, in its order; past them, a text prompt needs a model that
+    renders fill-in-the-middle prompts, which none served here does."""
+    if request.suffix is None:
+        return
+    if request.echo:
+        reason = "Echo is unsupported with suffix."
+    elif request.prompt_embeds is not None:
+        reason = "suffix is not supported with prompt_embeds"
+    elif request.truncate_prompt_tokens is not None:
+        reason = "suffix is not supported with truncate_prompt_tokens"
+    elif isinstance(request.prompt, str) or all(isinstance(p, str) for p in request.prompt):
+        reason = "suffix is only supported for models with FIM completion rendering"
+    else:
+        reason = "suffix requires text prompt input for FIM completion rendering"
+    raise BadRequest(reason, param="suffix")
+
+
+def _check_embeds(request: CompletionRequest) -> None:
+    """What vLLM's render refuses with prompt embeddings before it finds them off (tokenline
+    takes none: `_refuse_not_honoured`)."""
+    if request.prompt_embeds is None:
+        return
+    if request.echo:
+        raise BadRequest("Echo is unsupported with prompt embeds.", param="prompt_embeds")
+    if request.prompt_logprobs is not None:
+        raise BadRequest(
+            "prompt_logprobs is not compatible with prompt embeds.", param="prompt_embeds"
+        )
+
+
 def render_completion(
     request: CompletionRequest,
     tok: ModelTokenizer,
@@ -466,11 +349,9 @@ def render_completion(
     """`/v1/completions/render`: one generate request per prompt."""
     check_model(request.model, settings)
     model = request.model
+    _check_suffix(request)
+    _check_embeds(request)
     _common_checks(request)
-    if request.suffix is not None:
-        raise BadRequest(
-            "suffix is only supported for models with FIM completion rendering", param="suffix"
-        )
     if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
         raise BadRequest(
             f"logprobs must be at most {MAX_LOGPROBS}, got {request.logprobs}.", param="logprobs"

@@ -8,7 +8,8 @@ form by `max_model_len` (counting a long text is what the route is for), and nei
 from __future__ import annotations
 
 from tokenline.services.render import worker
-from tokenline.services.render.render import RenderSettings, chat_prompt, check_model
+from tokenline.services.render.chat import chat_prompt, refuse_media_kwargs
+from tokenline.services.render.render import RenderSettings, check_model
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
@@ -18,17 +19,6 @@ from tokenline.shared.wire import (
     TokenizeRequest,
     TokenizeResponse,
 )
-
-
-def _refuse_media_kwargs(request: TokenizeRequest) -> None:
-    """vLLM refuses these unless started with --trust-request-mm-kwargs; tokenline has no such
-    flag (its models take text only). Empty ones ask for nothing, and pass, as in vLLM."""
-    for name in ("media_io_kwargs", "mm_processor_kwargs"):
-        if getattr(request, name):
-            raise BadRequest(
-                f"Per-request {name} are not supported: this model takes text only.",
-                param=name,
-            )
 
 
 def _as_chat_request(request: TokenizeRequest) -> ChatCompletionRequest:
@@ -51,7 +41,7 @@ def _chat_ids(request: TokenizeRequest, tok: ModelTokenizer, settings: RenderSet
             "Cannot apply chat template to an empty conversation. Provide at least one message.",
             param="messages",
         )
-    _refuse_media_kwargs(request)
+    refuse_media_kwargs(request)
     prompt = chat_prompt(_as_chat_request(request), tok, settings)
     return tok.encode(prompt, add_special_tokens=request.add_special_tokens is True)
 
