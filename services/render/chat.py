@@ -199,8 +199,9 @@ def _template_culprit(
     if request.chat_template_kwargs:
         own = {k: v for k, v in kwargs.items() if k not in request.chat_template_kwargs}
         candidates.append(("chat_template_kwargs", tools, own))
-    if tools:
-        candidates.append(("tools", None, kwargs))
+    if tools:  # the request's, or its kwargs' own (which then are to blame)
+        own_tools = "tools" in template_kwargs.given(request.chat_template_kwargs or {})
+        candidates.append(("chat_template_kwargs" if own_tools else "tools", None, kwargs))
     for name, without_tools, without_kwargs in candidates:
         try:
             apply(without_tools, without_kwargs)
