@@ -35,6 +35,7 @@ from tokenline.proxy.client.upstream import translated
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow.hops import Hops, Timeouts
 from tokenline.proxy.metrics import ProxyMetrics
+from tokenline.proxy.routing.cache_aware import EventPorts, PrefixRouting
 from tokenline.proxy.routing.pool import Pool, Pools, maintained
 from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.errors import ShuttingDown, Unauthorized
@@ -119,9 +120,21 @@ def pools_of(config: ProxyConfig) -> Pools:
     return Pools(
         render=Pool("render", config.render_urls),
         derender=Pool("derender", config.derender_urls),
-        prefill=Pool("prefill", config.prefill_urls, dict(keyed)),
-        decode=Pool("decode", config.decode_urls, dict(keyed)),
+        prefill=generate_pool("prefill", config.prefill_urls, keyed, config),
+        decode=generate_pool("decode", config.decode_urls, keyed, config),
     )
+
+
+def generate_pool(
+    role: str, urls: tuple[str, ...], headers: dict[str, str], config: ProxyConfig
+) -> Pool:
+    """A generate pool, routed by `config.routing` (cache-aware: `PrefixRouting`)."""
+    pool = Pool(role, urls, dict(headers), policy=config.routing)
+    if config.routing == "cache-aware":
+        offset = config.kv_events_offset
+        events = EventPorts(offset) if offset is not None else None
+        pool.routing = PrefixRouting(role, events, config.prefix_hash_seed)
+    return pool
 
 
 def derender_transport(
@@ -149,11 +162,24 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
             await pool.resolve()
             metrics.track_pool(pool.role, pool.in_flight)
         await asyncio.gather(*(pool.check(client) for pool in pools.all()))
+        await asyncio.gather(*(pool.learn(client) for pool in pools.all()))
+        for pool in (pools.prefill, pools.decode):
+            if pool.routing is not None:
+                metrics.track_routing(pool.role, pool.routing)
         policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
         derender = derender_transport(
             config, client, pools.derender, policy, metrics, timeouts.pure
         )
-        hops = Hops(client, pools, policy, metrics, derender, timeouts, config.prefill_first_token)
+        hops = Hops(
+            client,
+            pools,
+            policy,
+            metrics,
+            derender,
+            timeouts,
+            config.prefill_first_token,
+            config.skip_prefill_within,
+        )
         app[HOPS] = hops
         try:
             async with maintained(pools, client, config.health_interval, config.resolve_interval):
@@ -162,6 +188,9 @@ async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
             await derender.close()
             await hops.settle()
     finally:
+        for pool in pools.all():
+            if pool.routing is not None:
+                await pool.routing.close()
         await client.close()
 
 

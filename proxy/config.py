@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from tokenline.proxy.routing.cache_aware import Policy
 from tokenline.shared.config import CommandLine, NonNegative, Option, Port, Positive, Seconds
 from tokenline.shared.cpu import CpuPolicy
 
@@ -60,6 +61,21 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     after the decode leg has pulled the KV and sampled the same token again (which is then
     checked and dropped). Sampling requests without a seed get one for both legs, so that the
     two engines draw the same first token (`proxy/flow/first_token.py`)."""
+    routing: Policy = "cache-aware"
+    """How a generate replica (decode, and P/D's prefill leg) is chosen: cache-aware (the
+    prompt's prefix each replica is expected to hold, against its load: uncached prompt tokens
+    in flight and requests running; block size and hash algorithm read from each engine's
+    /metrics, a replica that disagrees with its pool kept out), least-loaded (requests in
+    flight) or round-robin."""
+    kv_events_offset: Port | None = None
+    """The generate engines publish vLLM's KV events (`--kv-events-config`) on their HTTP port
+    plus this offset, and replay them one port above; the proxy then follows what each engine
+    stores and evicts. Unset: routing knows what the proxy sent where, lately."""
+    prefix_hash_seed: str | None = None
+    """The generate engines' PYTHONHASHSEED, if they set one: vLLM seeds block hashes with it."""
+    skip_prefill_within: NonNegative = 256
+    """P/D, cache-aware: a prompt whose decode replica is expected to hold all of it but at
+    most this many tokens runs decode-only there, without a prefill leg (0: never)."""
     health_interval: Seconds = 2.0
     """Seconds between health checks of each replica."""
     max_in_flight: Positive = 1024

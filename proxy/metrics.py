@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import Gauge
 
 from tokenline.shared.metrics import LATENCY_BUCKETS, ServiceMetrics
+
+if TYPE_CHECKING:
+    from tokenline.proxy.routing.cache_aware import PrefixRouting
 
 T = TypeVar("T")
 TOKEN_BUCKETS = (
@@ -68,6 +71,25 @@ class ProxyMetrics(ServiceMetrics):
             "P/D stream tokens shown from the prefill leg, by what the decode leg began with",
             labels=("decode",),
         )
+        self.prefill_skipped = self.counter(
+            "prefill_skipped",
+            "P/D prompts run decode-only on a decode replica expected to hold nearly all of them",
+        )
+        self.routing = Gauge(
+            f"{self.prefix}_routing",
+            "Cache-aware routing per generate pool, totals since start: decisions, hits "
+            "(a replica expected to hold part of the prompt), prompt_tokens, "
+            "expected_cached_tokens; kv_event_batches applied, kv_event_clears (a restart, "
+            "or events lost past replay), kv_hash_mismatches",
+            ["pool", "what"],
+            registry=self.registry,
+        )
+        self.routed_tokens = Gauge(
+            f"{self.prefix}_routed_prompt_tokens",
+            "Prompt tokens sent to each generate replica by cache-aware routing",
+            ["pool", "replica"],
+            registry=self.registry,
+        )
         self.migrations = self.counter(
             "migrations", "Streams continued on another decode replica after theirs failed"
         )
@@ -95,3 +117,31 @@ class ProxyMetrics(ServiceMetrics):
 
     def track_pool(self, role: str, in_flight: Callable[[], int]) -> None:
         self.in_flight.labels(role).set_function(in_flight)
+
+    def track_routing(self, role: str, routing: PrefixRouting) -> None:
+        """`routing`'s totals, read when scraped."""
+        stats = routing.stats
+        subscribers = routing.subscribers.values
+        read: dict[str, Callable[[], float]] = {
+            "decisions": lambda: stats.decisions,
+            "hits": lambda: stats.hits,
+            "prompt_tokens": lambda: stats.prompt_tokens,
+            "expected_cached_tokens": lambda: stats.expected_cached_tokens,
+            "kv_event_batches": lambda: sum(s.applied for s in subscribers()),
+            "kv_event_clears": lambda: sum(s.sequencer.clears for s in subscribers()),
+            "kv_hash_mismatches": lambda: sum(s.hash_check == "mismatch" for s in subscribers()),
+        }
+        for what, value in read.items():
+            self.routing.labels(role, what).set_function(value)
+        self.routed_tokens_of(role, routing)
+
+    def routed_tokens_of(self, role: str, routing: PrefixRouting) -> None:
+        """Per replica series appear as replicas take prompts: refreshed at each scrape."""
+        gauge, stats = self.routed_tokens, routing.stats
+
+        def refresh() -> float:
+            for replica, tokens in stats.by_replica.items():
+                gauge.labels(role, replica).set(tokens)
+            return float(len(stats.by_replica))
+
+        self.routing.labels(role, "replicas_routed").set_function(refresh)

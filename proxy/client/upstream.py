@@ -101,9 +101,11 @@ async def post(
     body: bytes,
     headers: Mapping[str, str],
     limits: Limits,
+    uncached: int = 0,
 ) -> bytes:
-    """POST `body` to `worker` and return the answer; error answers raise."""
-    with pool.lease(worker), translated(pool.role, worker):
+    """POST `body` to `worker` and return the answer; error answers raise (`uncached`: the
+    prompt tokens its engine computes, counted as its load meanwhile)."""
+    with pool.lease(worker, uncached), translated(pool.role, worker):
         status, data = await client.fetch(
             "POST", worker.url + path, body, _with_pool(pool, headers), limits
         )
@@ -159,6 +161,7 @@ async def stream_payloads(
     body: bytes,
     headers: Mapping[str, str],
     limits: Limits,
+    uncached: int = 0,
 ) -> AsyncGenerator[list[bytes], Pumping | None]:
     """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
     read together, the outcome reported to the pool (a stream left early reports nothing).
@@ -171,7 +174,7 @@ async def stream_payloads(
     vLLM checks some inputs (a structured-output grammar) only once its 200 has gone out: an
     error event before any output is then that error's own status, as if it had been the
     answer (a 400 stays the request's fault, never the replica's)."""
-    with pool.lease(worker), reported(pool, worker), translated(pool.role, worker):
+    with pool.lease(worker, uncached), reported(pool, worker), translated(pool.role, worker):
         async with client.request(
             "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
         ) as resp:

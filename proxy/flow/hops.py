@@ -34,7 +34,8 @@ from tokenline.proxy.flow.requests import (
     retry_id,
 )
 from tokenline.proxy.metrics import ProxyMetrics
-from tokenline.proxy.routing.pool import Pools, Worker
+from tokenline.proxy.routing.cache_aware import Pick
+from tokenline.proxy.routing.pool import Pool, Pools, Worker
 from tokenline.proxy.routing.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared.errors import (
     ServiceError,
@@ -103,7 +104,12 @@ class Hops:
     timeouts: Timeouts
     prefill_first_token: bool = True
     """P/D streams show the prefill leg's token before the decode leg's (`first_token.py`)."""
+    skip_prefill_within: int = 0
+    """P/D: a prompt whose chosen decode replica is expected to hold all of it but at most
+    this many tokens runs decode-only there (0: never)."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    reserved: dict[str, Pick] = field(default_factory=dict)
+    """Decode replicas chosen before the prefill leg (which it then skipped), by engine id."""
     aborting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def render(self, kind: Kind, raw: bytes, headers: HopHeaders) -> list[GenerateRequest]:
@@ -137,8 +143,11 @@ class Hops:
         if not pool.configured:
             return Prefilled(None, None)
         body = JSON.encode(prefill_request(engine_request(gen, kind, False, None)))
+        prompt = pool.prompt(gen)
+        pick = pool.pick(exclude, prompt) if prompt is not None else None
 
         async def once(worker: Worker) -> Prefilled:
+            uncached = pick.uncached if pick is not None and worker is pick.worker else 0
             data = await post(
                 self.client,
                 pool,
@@ -147,6 +156,7 @@ class Hops:
                 body,
                 headers.generate(gen),
                 self.timeouts.pure,
+                uncached,
             )
             answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
             if answer.kv_transfer_params is None:
@@ -159,7 +169,9 @@ class Hops:
 
         every = RetryPolicy(attempts=len(pool.workers), timeout=self.policy.timeout, sleep=False)
         try:
-            return await self.metrics.timed("prefill", on_replicas(pool, every, once, exclude))
+            chosen = pick.worker if pick is not None else None
+            call = on_replicas(pool, every, once, exclude, chosen=chosen)
+            return await self.metrics.timed("prefill", call)
         except ServiceError as exc:
             if _own_fault(exc):
                 raise  # the request's own fault: decode-only would refuse it too
@@ -174,10 +186,11 @@ class Hops:
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
     ) -> GenerateResponse:
         pool = self.pools.decode
-        worker = pool.choose(exclude)
+        pick = self._decode_pick(pool, gen, exclude)
+        worker = pick.worker
         body = JSON.encode(gen)
         hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
-        call = post(self.client, pool, worker, GENERATE_PATH, body, hdrs, timeout)
+        call = post(self.client, pool, worker, GENERATE_PATH, body, hdrs, timeout, pick.uncached)
         try:
             with reported(pool, worker):  # an unreadable answer counts against the replica
                 data = await self.metrics.timed("decode", call)
@@ -193,12 +206,36 @@ class Hops:
         """A decode replica and the SSE payloads of `gen` streamed on it (those of one read
         together)."""
         pool = self.pools.decode
-        worker = pool.choose(exclude)
+        pick = self._decode_pick(pool, gen, exclude)
         body = JSON.encode(gen)
-        source = stream_payloads(
-            self.client, pool, worker, body, headers.generate(gen), self.timeouts.generate_stream
-        )
-        return worker, source
+        hdrs, limits = headers.generate(gen), self.timeouts.generate_stream
+        source = stream_payloads(self.client, pool, pick.worker, body, hdrs, limits, pick.uncached)
+        return pick.worker, source
+
+    def _decode_pick(self, pool: Pool, gen: GenerateRequest, exclude: Sequence[Worker]) -> Pick:
+        """The decode replica for `gen`: the one reserved when its prefill leg was skipped,
+        else the pool's choice (by cached prefix, where the pool routes so)."""
+        reserved = self.reserved.pop(engine_id(gen), None)
+        if reserved is not None and reserved.worker.healthy and reserved.worker not in exclude:
+            return reserved
+        return pool.pick(exclude, pool.prompt(gen))
+
+    def _reserve_decode(self, gen: GenerateRequest) -> bool:
+        """P/D with a cache-aware decode pool: `gen`'s decode replica, chosen now (by what it
+        holds and its load) and reserved for its decode leg. True when that replica holds all
+        of the prompt but at most `skip_prefill_within` tokens: the prefill leg is skipped
+        (counted) and the prompt runs decode-only there."""
+        pool = self.pools.decode
+        prompt = pool.prompt(gen) if self.pools.prefill.configured else None
+        if prompt is None:
+            return False
+        pick = pool.pick((), prompt)
+        self.reserved[engine_id(gen)] = pick
+        within = self.skip_prefill_within
+        if not within or not pick.cached_blocks or pick.uncached > within:
+            return False
+        self.metrics.prefill_skipped.inc()
+        return True
 
     async def behind_prefill(
         self,
@@ -217,7 +254,8 @@ class Hops:
         a decode replica that failed by its own fault (unreachable, hung, broken) is replaced
         by another healthy one.
         """
-        pre = await self.prefill(gen, kind, headers)
+        skip = self._reserve_decode(gen)
+        pre = Prefilled(None, None) if skip else await self.prefill(gen, kind, headers)
         try:
             return await decode(gen, pre, ())
         except ServiceError as exc:
@@ -226,6 +264,8 @@ class Hops:
                 raise
             await self.aborted(gen)
             exclude = [failed] if failed is not None else []
+        finally:
+            self.reserved.pop(engine_id(gen), None)
         self.metrics.retries.inc()
         gen = retry_id(gen)
         pre = await self.prefill(gen, kind, headers, exclude=[pre.worker] if pre.worker else [])

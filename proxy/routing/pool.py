@@ -1,5 +1,5 @@
-"""Replica pools: discovery, active health checks, a circuit breaker per replica,
-least-in-flight choice.
+"""Replica pools: discovery, active health checks, a circuit breaker per replica, and the
+choice of a replica (least in flight, in turn, or cache-aware: `cache_aware.PrefixRouting`).
 
 A configured URL whose hostname resolves to several addresses (how `docker compose --scale` and
 a Kubernetes headless Service expose replicas) is several workers; names are re-resolved
@@ -19,11 +19,15 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from tokenline.proxy.client.http import Client, HttpClientError
+from tokenline.proxy.routing.cache_aware import Pick, Policy, PrefixRouting, Prompt
 from tokenline.shared.errors import UpstreamUnavailable
+
+if TYPE_CHECKING:
+    from tokenline.shared.wire import GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,10 @@ class Worker:
     url: str
     source: str  # the configured URL this worker was discovered from
     in_flight: int = 0
+    uncached: int = 0
+    """Prompt tokens of the requests in flight here that its engine computes (not cached)."""
+    refused: str | None = None
+    """Why this replica never takes traffic (a configuration its pool cannot route by)."""
     breaker: Breaker = field(default_factory=Breaker)
     last_check: float = field(default=0.0)
     watching: set[Callable[[], None]] = field(default_factory=set)
@@ -100,7 +108,7 @@ class Worker:
     @property
     def healthy(self) -> bool:
         """Takes requests now (see `Breaker`)."""
-        return self.breaker.admits(self.in_flight)
+        return self.refused is None and self.breaker.admits(self.in_flight)
 
     @healthy.setter
     def healthy(self, value: bool) -> None:  # for tests and operators: force a state
@@ -109,7 +117,7 @@ class Worker:
     @property
     def serving(self) -> bool:
         """In the rotation (closed, or half open with a probe perhaps in flight)."""
-        return self.breaker.state in ("closed", "half_open")
+        return self.refused is None and self.breaker.state in ("closed", "half_open")
 
 
 def least_in_flight(workers: Sequence[Worker]) -> Worker:
@@ -164,6 +172,9 @@ class Pool:
     """What every call to these replicas carries besides its own (generate's API key)."""
     workers: list[Worker] = field(default_factory=list)
     turns: int = 0
+    policy: Policy = "least-loaded"
+    routing: PrefixRouting | None = None
+    """Set for a generate pool routed by cached prefix (`policy` "cache-aware")."""
 
     def __post_init__(self) -> None:
         self.workers = [Worker(u, u) for u in self.urls]
@@ -184,21 +195,39 @@ class Pool:
         return sum(w.in_flight for w in self.workers)
 
     def choose(self, exclude: Sequence[Worker] = ()) -> Worker:
-        candidates = [w for w in self.healthy() if w not in exclude] or [w for w in self.healthy()]
+        return self.pick(exclude).worker
+
+    def pick(self, exclude: Sequence[Worker] = (), prompt: Prompt | None = None) -> Pick:
+        """A healthy replica not in `exclude` (any healthy one if all are), by the pool's
+        policy; with a `prompt`, a cache-aware pool weighs what each replica holds of it."""
+        healthy = self.healthy()
+        candidates = [w for w in healthy if w not in exclude] or healthy
         if not candidates:
             raise UpstreamUnavailable(f"no healthy {self.role} replica (of {len(self.workers)})")
         start = self.turns % len(self.workers)
         self.turns += 1
-        rotated = self.workers[start:] + self.workers[:start]
-        return least_in_flight([w for w in rotated if w in candidates])
+        rotated = [w for w in self.workers[start:] + self.workers[:start] if w in candidates]
+        if self.policy == "round-robin":
+            return Pick(rotated[0])
+        if prompt is not None and self.routing is not None:
+            return self.routing.choose(rotated, prompt)
+        return Pick(least_in_flight(rotated))
+
+    def prompt(self, gen: GenerateRequest) -> Prompt | None:
+        """`gen`'s prompt for a cache-aware choice (None: this pool does not route so)."""
+        return self.routing.prompt(gen) if self.routing is not None else None
 
     @contextlib.contextmanager
-    def lease(self, worker: Worker) -> Iterator[Worker]:
+    def lease(self, worker: Worker, uncached: int = 0) -> Iterator[Worker]:
+        """`worker` has a request in flight in the block (`uncached`: prompt tokens its
+        engine computes for it)."""
         worker.in_flight += 1
+        worker.uncached += uncached
         try:
             yield worker
         finally:
             worker.in_flight -= 1
+            worker.uncached -= uncached
 
     def failed(self, worker: Worker, reason: str, certain: bool = False) -> None:
         """`worker` failed a request by its own fault (never call this for a request's own)."""
@@ -206,7 +235,7 @@ class Pool:
         worker.breaker.fault(certain)
         if worker.breaker.state == "open" and was != "open":
             log.warning("pool.down role=%s worker=%s reason=%s", self.role, worker.url, reason)
-            worker.abandon()
+            self._down(worker)
 
     def succeeded(self, worker: Worker) -> None:
         if worker.breaker.state == "half_open":
@@ -243,7 +272,19 @@ class Pool:
             log.info("pool.up role=%s worker=%s state=%s", self.role, worker.url, now)
         elif now != was and now == "open":
             log.warning("pool.down role=%s worker=%s reason=health check", self.role, worker.url)
-            worker.abandon()
+            self._down(worker)
+
+    def _down(self, worker: Worker) -> None:
+        """`worker` left the rotation: its calls give up, and what routing knew it to hold is
+        forgotten (an engine that comes back may have restarted with an empty cache)."""
+        worker.abandon()
+        if self.routing is not None:
+            self.routing.forget(worker.url)
+
+    async def learn(self, client: Client) -> None:
+        """A cache-aware pool reads the cache configuration of replicas that joined."""
+        if self.routing is not None:
+            await self.routing.learn(client, self.workers, self.headers)
 
 
 @dataclass
@@ -269,6 +310,7 @@ async def maintain(
                 await pool.resolve()
             last_resolve = now
         await asyncio.gather(*(p.check(client) for p in pools.all()))
+        await asyncio.gather(*(p.learn(client) for p in pools.all()))
         await asyncio.sleep(health_interval)
 
 

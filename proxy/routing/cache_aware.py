@@ -1,0 +1,254 @@
+"""Cache-aware choice for one generate pool: which replica already holds a prompt's prefix.
+
+`PrefixRouting` learns each replica's cache configuration from its `/metrics`
+(`vllm:cache_config_info`) when the replica first takes traffic: the first sets the pool's
+block size and hash algorithm, and a replica that disagrees is kept out of the rotation (its
+prompts could never be matched: an error, never a silent miss). It then hashes every prompt's
+full blocks as vLLM does (`prefix.BlockHasher`), keeps per replica which blocks it holds
+(`blocks.BlockIndex`: what the proxy sent there lately, and what the engine's KV events say
+it stores and evicts, when the pool publishes them) and lets `choice.PrefixChooser` weigh the
+cached prefix against each replica's load. An engine that exposes no cache configuration
+leaves the pool on least-in-flight choice, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlsplit
+
+from tokenline.proxy.client.http import Client, HttpClientError
+from tokenline.proxy.routing.blocks import BlockIndex
+from tokenline.proxy.routing.cache_config import (
+    CacheConfigError,
+    EngineCacheConfig,
+    parse_cache_config,
+)
+from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser
+from tokenline.proxy.routing.kv_events import KvEventSubscriber
+from tokenline.proxy.routing.prefix import BlockHasher
+
+if TYPE_CHECKING:
+    from tokenline.proxy.routing.pool import Worker
+    from tokenline.shared.wire import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+Policy = Literal["cache-aware", "least-loaded", "round-robin"]
+"""How a generate replica is chosen: by cached prefix against load, by requests in flight
+alone, or in turn."""
+LEARN_TIMEOUT = 3.0  # seconds a replica's /metrics may take
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as routing sees it: its length and the keys of its full blocks."""
+
+    tokens: int
+    keys: list[int]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A chosen replica, and the prompt tokens it is expected to compute (not cached)."""
+
+    worker: Worker
+    uncached: int = 0
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class EventPorts:
+    """Where a replica's engine publishes its KV events: its HTTP port plus `offset` (and the
+    replay socket one above), on the replica's host."""
+
+    offset: int
+
+    def endpoints(self, url: str) -> tuple[str, str]:
+        parts = urlsplit(url)
+        host = parts.hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        port = (parts.port or (443 if parts.scheme == "https" else 80)) + self.offset
+        return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+
+
+@dataclass
+class RoutingStats:
+    """What routing decided, for the metrics (plain counters, read by gauges)."""
+
+    decisions: int = 0
+    hits: int = 0
+    """Decisions whose replica was expected to hold at least one block of the prompt."""
+    prompt_tokens: int = 0
+    expected_cached_tokens: int = 0
+    prefill_skipped: int = 0
+    by_replica: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens sent to each replica."""
+
+
+@dataclass
+class PrefixRouting:
+    """Cache-aware choice for the replicas of one generate pool (see the module docstring)."""
+
+    role: str
+    events: EventPorts | None = None
+    seed: str | None = None
+    """The engines' PYTHONHASHSEED, if they set one (vLLM seeds its block hashes with it)."""
+    cap: float = 1.5
+    stream_cost: float = 256.0
+    sent_ttl: float = 120.0
+    now: Callable[[], float] = time.monotonic
+    config: EngineCacheConfig | None = None
+    hasher: BlockHasher | None = None
+    chooser: PrefixChooser | None = None
+    engines: dict[str, EngineCacheConfig | None] = field(default_factory=dict)
+    """Each replica's cache configuration, as its /metrics told (None: it tells none)."""
+    indexes: dict[str, BlockIndex] = field(default_factory=dict)
+    subscribers: dict[str, KvEventSubscriber] = field(default_factory=dict)
+    stats: RoutingStats = field(default_factory=RoutingStats)
+
+    @property
+    def ready(self) -> bool:
+        """Hashing prompts: some replica told its configuration, none told none."""
+        return self.hasher is not None and None not in self.engines.values()
+
+    def prompt(self, gen: GenerateRequest) -> Prompt | None:
+        """`gen`'s prompt as routing sees it (None: routing is not cache-aware yet)."""
+        if not self.ready:
+            return None
+        assert self.hasher is not None
+        keys = self.hasher.keys(gen.token_ids, cache_salt=gen.cache_salt)
+        return Prompt(len(gen.token_ids), keys)
+
+    def choose(self, workers: Sequence[Worker], prompt: Prompt) -> Pick:
+        """The replica of `workers` (in turn order) that takes `prompt`; its blocks are
+        counted as sent there."""
+        assert self.chooser is not None
+        now, keys = self.now(), prompt.keys
+        candidates = [
+            Candidate(Load(w.uncached, w.in_flight), self.index(w.url).cached_prefix(keys, now))
+            for w in workers
+        ]
+        i = self.chooser.choose(candidates, prompt.tokens)
+        worker, cached = workers[i], candidates[i].cached_blocks
+        self.index(worker.url).sent(prompt.keys, now)
+        return self._counted(worker, prompt, cached)
+
+    def holds(self, worker: Worker, prompt: Prompt) -> int:
+        """Leading blocks of `prompt` that `worker` is expected to hold."""
+        return self.index(worker.url).cached_prefix(prompt.keys, self.now())
+
+    def sent(self, worker: Worker, prompt: Prompt) -> Pick:
+        """`prompt` goes to `worker`, chosen otherwise (a replica that holds it all)."""
+        cached = self.holds(worker, prompt)
+        self.index(worker.url).sent(prompt.keys, self.now())
+        return self._counted(worker, prompt, cached)
+
+    def _counted(self, worker: Worker, prompt: Prompt, cached: int) -> Pick:
+        assert self.chooser is not None
+        uncached = self.chooser.uncached(prompt.tokens, cached)
+        stats = self.stats
+        stats.decisions += 1
+        stats.hits += cached > 0
+        stats.prompt_tokens += prompt.tokens
+        stats.expected_cached_tokens += prompt.tokens - uncached
+        stats.by_replica[worker.url] = stats.by_replica.get(worker.url, 0) + prompt.tokens
+        return Pick(worker, uncached, cached)
+
+    def index(self, url: str) -> BlockIndex:
+        found = self.indexes.get(url)
+        if found is None:
+            found = self.indexes[url] = BlockIndex(sent_ttl=self.sent_ttl)
+        return found
+
+    def forget(self, url: str) -> None:
+        """`url` left the rotation: whatever it held may be gone when it comes back."""
+        index = self.indexes.get(url)
+        if index is not None:
+            index.clear()
+
+    async def learn(
+        self, client: Client, workers: Sequence[Worker], headers: dict[str, str]
+    ) -> None:
+        """Read the cache configuration of every replica in the rotation not read yet; keep
+        out any that disagrees with the pool's."""
+        fresh = [w for w in workers if w.url not in self.engines and w.serving]
+        told = await asyncio.gather(*(self._told(client, w, headers) for w in fresh))
+        for worker, config in zip(fresh, told, strict=True):
+            if config is not False:
+                await self._admit(worker, config)
+
+    async def _told(
+        self, client: Client, worker: Worker, headers: dict[str, str]
+    ) -> EngineCacheConfig | None | Literal[False]:
+        """The replica's configuration; None when its /metrics has none; False when it could
+        not be read now (asked again on the next round)."""
+        try:
+            async with asyncio.timeout(LEARN_TIMEOUT):
+                status, data = await client.fetch("GET", worker.url + "/metrics", headers=headers)
+        except (HttpClientError, TimeoutError, OSError):
+            return False
+        if status != 200:
+            return None if status == 404 else False
+        try:
+            return parse_cache_config(data.decode("utf-8", "replace"))
+        except CacheConfigError as exc:
+            log.warning("routing.no_cache_config role=%s worker=%s: %s", self.role, worker.url, exc)
+            return None
+
+    async def _admit(self, worker: Worker, config: EngineCacheConfig | None) -> None:
+        if config is not None and not config.prefix_caching:
+            config = None  # nothing to route by
+        self.engines[worker.url] = config
+        if config is None:
+            log.warning(
+                "routing.least_loaded role=%s worker=%s: it tells no prefix cache "
+                "configuration (or caches no prefixes), so the pool is routed by requests "
+                "in flight",
+                self.role,
+                worker.url,
+            )
+            return
+        if self.config is None:
+            self._configure(config)
+        elif config != self.config:
+            worker.refused = (
+                f"its prefix cache ({described(config)}) differs from the pool's "
+                f"({described(self.config)})"
+            )
+            log.error(
+                "routing.refused role=%s worker=%s: %s", self.role, worker.url, worker.refused
+            )
+            return
+        await self._subscribe(worker.url)
+
+    def _configure(self, config: EngineCacheConfig) -> None:
+        self.config = config
+        self.hasher = BlockHasher(config.block_size, config.hash_algo, self.seed)
+        self.chooser = PrefixChooser(config.block_size, cap=self.cap, stream_cost=self.stream_cost)
+        log.info("routing.cache_aware role=%s %s", self.role, described(config))
+
+    async def _subscribe(self, url: str) -> None:
+        if self.events is None or url in self.subscribers:
+            return
+        endpoint, replay = self.events.endpoints(url)
+        subscriber = KvEventSubscriber(
+            self.index(url), endpoint, replay_endpoint=replay, hasher=self.hasher
+        )
+        self.subscribers[url] = subscriber
+        await subscriber.start()
+
+    async def close(self) -> None:
+        for subscriber in self.subscribers.values():
+            with contextlib.suppress(Exception):
+                await subscriber.close()
+        self.subscribers.clear()
+
+
+def described(config: EngineCacheConfig) -> str:
+    return f"block {config.block_size}, {config.hash_algo}"
