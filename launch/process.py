@@ -58,6 +58,18 @@ _GIVEN: set[int] = set()
 """Every port `free_port` returned in this process (a few per service started)."""
 
 
+def free_port_with(*offsets: int) -> int:
+    """A `free_port` whose neighbours at `offsets` are free too (and given with it): a
+    service that binds several ports at fixed distances (an engine's KV event sockets)."""
+    for _ in range(256):
+        port = free_port()
+        others = [port + o for o in offsets]
+        if all(0 < o < 65536 and o not in _GIVEN and _bindable(o) for o in others):
+            _GIVEN.update(others)
+            return port
+    raise RuntimeError(f"no free port with free neighbours at {offsets}")
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:

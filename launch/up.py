@@ -27,7 +27,14 @@ import msgspec
 
 from tokenline.launch.cli import child_argv
 from tokenline.launch.models.build import build
-from tokenline.launch.process import Process, ProcessExited, free_port, say, wait_all
+from tokenline.launch.process import (
+    Process,
+    ProcessExited,
+    free_port,
+    free_port_with,
+    say,
+    wait_all,
+)
 from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.parsers.registry import ReasoningParserName, ToolParserName
 from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
@@ -102,6 +109,10 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
 CLI = CommandLine(UpConfig)
 
 
+KV_EVENTS_OFFSET = 1000
+"""Each engine publishes its KV events this many ports above its HTTP port (and replays them
+one above that); the proxy subscribes by the same offset (`--kv-events-offset`)."""
+
 ENGINE_STUCK = ("zmq.error.ZMQError: Address already in use",)
 """vLLM output after which it never becomes healthy: 0.32's NIXL handshake listener dies on a
 taken side-channel port and the engine waits forever for it."""
@@ -127,11 +138,13 @@ def _engines(up: UpConfig, model: Path, served: str) -> list[Process]:
     cores = os.cpu_count() or 1
     engines = []
     for k, (name, role) in enumerate(_roles(up)):
+        port = free_port_with(KV_EVENTS_OFFSET, KV_EVENTS_OFFSET + 1)
         config = GenerateConfig(
             model=str(model),
             role=role,
             tokens_only=up.tokens_only,
-            port=free_port(),
+            port=port,
+            kv_events_port=port + KV_EVENTS_OFFSET,
             served_model_name=served,
             max_model_len=up.max_model_len,
             cpu_cores=str(k % cores) if up.pd else None,
@@ -184,6 +197,7 @@ def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process
     argv += ["--drain-timeout", str(up.drain_timeout)]
     argv += ["--render", *urls("render"), "--derender", *urls("derender")]
     argv += ["--derender-transport", "batched"]  # its derenders are tokenline's own
+    argv += ["--kv-events-offset", str(KV_EVENTS_OFFSET)]
     if up.tokens_only:
         argv.append("--generate-tokens-only")
     if up.pd:

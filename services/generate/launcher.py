@@ -67,6 +67,10 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     generate` once it is up (`pin_engine`); vLLM's server stays where it was."""
     nixl_port: Port | None = None
     """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
+    kv_events_port: Port | None = None
+    """Publish vLLM's KV cache events (`--kv-events-config`, ZMQ) on this port of `host`, and
+    replay them from the next one: the proxy follows what the engine caches
+    (its `--kv-events-offset` is this port minus `port`)."""
     kv_buffer_device: str = "cpu"
     """Where NIXL stages KV: cpu here, cuda on GPUs."""
     vllm_bin: str | None = None
@@ -161,6 +165,23 @@ def kv_transfer_config(config: GenerateConfig) -> str | None:
     )
 
 
+def kv_events_config(config: GenerateConfig) -> str | None:
+    if config.kv_events_port is None:
+        return None
+    host = "*" if config.host in ("0.0.0.0", "::", "") else config.host
+    host = f"[{host}]" if ":" in host else host
+    port = config.kv_events_port
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{host}:{port}",
+            "replay_endpoint": f"tcp://{host}:{port + 1}",
+            "topic": "",
+        }
+    )
+
+
 def engine_args(config: GenerateConfig) -> list[str]:
     """The engine flags every vLLM that runs the model gets (render mode runs none)."""
     args = [
@@ -180,6 +201,8 @@ def engine_args(config: GenerateConfig) -> list[str]:
     ]
     if config.prompt_tokens_details:
         args.append("--enable-prompt-tokens-details")
+    if (events := kv_events_config(config)) is not None:
+        args += ["--kv-events-config", events]
     return args
 
 
