@@ -23,7 +23,7 @@ from tokenline.proxy.client.http import (
     Limits,
     Unsendable,
     request_bytes,
-    take_head,
+    take_upgrade,
     target,
 )
 from tokenline.proxy.client.upstream import rejected_or_failed
@@ -105,7 +105,7 @@ class ReplicaSocket(asyncio.Protocol):
         """The upgrade's answer read (what follows it is frames), or more of it awaited."""
         head = self.head + data
         try:
-            found = take_head(head)
+            found = take_upgrade(head)
         except Broken as exc:
             raise UpstreamError(f"derender {self.url} answered the upgrade: {exc}") from None
         if found is None:

@@ -20,12 +20,14 @@ from hypothesis import strategies as st
 
 from tokenline.proxy.client.http import (
     HIGH_WATER,
+    MAX_CHUNK_LINE,
     Broken,
     Client,
     Limits,
     ResponseParser,
     Unreachable,
     Unsendable,
+    take_upgrade,
     target,
 )
 from tokenline.proxy.client.upstream import post
@@ -98,13 +100,13 @@ def test_any_framing_cut_anywhere_gives_the_body(
         (b"HTTP/1.1 2x0 OK\r\n\r\n", "not an HTTP status"),
         (b"HTTP/1.1 200 OK\r\nBad Header\r\n\r\n", "malformed header"),
         (b"HTTP/1.1 200 OK\r\nA: 1\r\n folded\r\n\r\n", "malformed header"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\n", "malformed Content-Length"),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "malformed Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\n", "malformed header: .*Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "malformed header: .*Content-Length"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", "after the end"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+1\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
-        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", "CRLF"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nab\r\n", "after chunk data"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nX", "after the end"),
         (b"HTTP/1.1 200 OK\r\n" + b"A: " + b"x" * 70_000, "head over"),
     ],
@@ -502,6 +504,66 @@ def test_an_encoded_or_protocol_switching_answer_is_refused() -> None:
         ResponseParser().feed(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\n\r\n")
     with pytest.raises(Broken, match="switched protocols"):
         ResponseParser().feed(b"HTTP/1.1 101 Switching Protocols\r\n\r\n")
+
+
+def test_what_llhttp_lets_through_is_refused_here() -> None:
+    """A status line llhttp takes but HTTP/1.x is not; bytes after a `Connection: close`
+    answer (llhttp's own refusal, worded as ours); chunk lines or trailers that never end (llhttp
+    keeps none of their bytes, httptools a trailer's: counted by the read)."""
+    with pytest.raises(Broken, match=r"not an HTTP/1\.x status line"):
+        ResponseParser().feed(b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n")
+    with pytest.raises(Broken, match="after the end"):
+        ResponseParser().feed(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\naX"
+        )
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n1;x=")
+    with pytest.raises(Broken, match=f"over {MAX_CHUNK_LINE} bytes"):
+        feed_all(parser, [b"y" * 100] * (MAX_CHUNK_LINE // 100 + 1))
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Trailer: ")
+    with pytest.raises(Broken, match=f"over {MAX_CHUNK_LINE} bytes"):
+        feed_all(parser, [b"y" * 100] * (MAX_CHUNK_LINE // 100 + 1))
+
+
+UPGRADED = (
+    b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: tokenline-frames\r\n\r\n"
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    interim=st.booleans(),
+    after=st.binary(max_size=40),
+    cut_at=st.integers(min_value=0, max_value=200),
+)
+def test_an_upgrade_answer_gives_its_head_and_the_new_protocols_bytes(
+    interim: bool, after: bytes, cut_at: int
+) -> None:
+    """The batch socket's opening: the 101's head (an interim answer before it skipped), and
+    every byte after it, wherever the first read ended (a read that ends inside the head: None,
+    and the caller reads on)."""
+    raw = (b"HTTP/1.1 100 Continue\r\n\r\n" if interim else b"") + UPGRADED + after
+    head_end = len(raw) - len(after)
+    first = take_upgrade(raw[:cut_at])
+    if cut_at < head_end:
+        assert first is None
+    found = take_upgrade(raw)
+    assert found is not None
+    head, rest = found
+    assert head.status == 101 and head.tokens("upgrade") == ["tokenline-frames"]
+    assert rest == after
+
+
+def test_an_answer_that_does_not_switch_is_given_as_it_is() -> None:
+    found = take_upgrade(b"HTTP/1.1 404 Not Found\r\nContent-Length: 3\r\n\r\nno!")
+    assert found is not None and found[0].status == 404 and found[1] == b""
+    with pytest.raises(Broken, match="101 without"):  # where its bytes begin is unknown
+        take_upgrade(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: tokenline-frames\r\n\r\n")
+    with pytest.raises(Broken, match=r"not an HTTP/1\.x status line"):
+        take_upgrade(b"SSH-2.0-OpenSSH\r\n\r\n")
+    with pytest.raises(Broken, match="head over"):
+        take_upgrade(b"HTTP/1.1 101 Switching Protocols\r\nA: " + b"x" * 70_000)
 
 
 # --------------------------------------------------------------------------- tapping
