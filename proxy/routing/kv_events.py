@@ -315,11 +315,12 @@ class KvEventSubscriber:
         assert self.replay_endpoint is not None
         log.info("kv_events.replay", extra={"endpoint": self.replay_endpoint, "from": start})
         dealer = self._context.socket(zmq.DEALER)
+        wait = self.replay_timeout
         try:
             dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), wait)
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                frames = await asyncio.wait_for(dealer.recv_multipart(), wait)
                 if len(frames) != 4:
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)

@@ -169,7 +169,7 @@ def test_unknown_algorithm() -> None:
 @given(st.lists(st.binary(min_size=32, max_size=32), max_size=20))
 def test_keys_are_what_events_carry(hashes: list[bytes]) -> None:
     with mock.patch.object(kv_cache_utils.envs, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", True):
-        theirs = [kv_cache_utils.maybe_convert_block_hash(h) for h in hashes]  # type: ignore[arg-type]
+        theirs = [kv_cache_utils.maybe_convert_block_hash(h) for h in hashes]
     assert block_keys(hashes) == theirs
     assert [block_key(h) for h in hashes] == theirs
     assert [block_key(k) for k in theirs] == theirs
