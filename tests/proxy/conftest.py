@@ -116,8 +116,10 @@ def pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
 
 @pytest.fixture(scope="session")
 def pd_pipeline(fleet: Fleet, tiny_model: Path) -> Iterator[Pipeline]:
-    """tokenline in front of the fleet's real P/D pair (KV over NIXL)."""
-    p = start_pipeline("pd", tiny_model, [fleet.decode.url], extra=("--prefill", fleet.prefill.url))
+    """tokenline in front of the fleet's real P/D pair (KV over NIXL), every prompt through
+    the prefill leg (never skipped for a prompt the decode engine holds)."""
+    extra = ("--prefill", fleet.prefill.url, "--skip-prefill-within", "0")
+    p = start_pipeline("pd", tiny_model, [fleet.decode.url], extra=extra)
     yield p
     for s in p.all():
         s.stop()
