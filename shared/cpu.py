@@ -6,8 +6,8 @@ wakes for every chunk of every stream; under the default policy each wake-up tak
 from whatever holds it, which on a core shared with vLLM's API server (`tokenline up`, a CPU
 box, the benchmarks' front core) is that server mid-way through writing an engine step's
 chunks. Under SCHED_BATCH the server finishes the step, and the service then takes the step's
-chunks in one go: fewer context switches, warmer caches. Measured on the 2-core box (stop 30,
-same-run turns): proxy + derender CPU per token 5-10% lower, and behind tokenline vLLM's own
+chunks in one go: fewer context switches, warmer caches. Measured on the 2-core box (same-run
+turns): proxy + derender CPU per token 5-10% lower, and behind tokenline vLLM's own
 TTFT 21-25 ms instead of 27-34 (the engine alone: 13-15).
 
 The policy is set on every thread of the service as it starts (a library may have started a

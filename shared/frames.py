@@ -3,11 +3,11 @@
 A POST per batch cost derender's aiohttp server ~80 us and the proxy's HTTP client ~60 us of CPU;
 one binary WebSocket message each way cost ~28 and ~27 (16 KB in, 13 KB out, same run), and the
 same frames on the bare connection cost less again: paced one batch per engine step, an echo
-spent 7.7 us per item over the bare connection against 12.3 over aiohttp's WebSocket (stop 38's
-wake bench). So the proxy asks derender's batch socket path for `Upgrade: tokenline-frames`
-(an HTTP/1.1 upgrade, as a WebSocket's handshake is, on the same port), and from the 101 on
-each side writes frames: each behind its length (4 bytes, big-endian), each a batch route's body
-as it is, behind a one-line head:
+spent 7.7 us per item over the bare connection against 12.3 over aiohttp's WebSocket
+(`python -m research.wake`). So the proxy asks derender's batch socket path for
+`Upgrade: tokenline-frames` (an HTTP/1.1 upgrade, as a WebSocket's handshake is, on the same
+port), and from the 101 on each side writes frames: each behind its length (4 bytes,
+big-endian), each a batch route's body as it is, behind a one-line head:
 
     call:   b"<id> <kind>\\n"   + the batch route's body  (`{"requests": [...]}`)
     answer: b"<id> <status>\\n" + the batch route's answer (status 200: one item per call, each

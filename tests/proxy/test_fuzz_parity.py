@@ -1,8 +1,8 @@
 """A seeded differential fuzz: random requests (a fixed draw, the same on every run) sent to
 monolithic `vllm serve` and to tokenline, whole and streamed, compared in full.
 
-Stop 44 ran ~690 such requests by hand and found eight differences the hand-written parity
-cases had missed; this keeps a few dozen of them in CI. Each request mixes what a client may
+Random requests find differences hand-written parity cases miss; this keeps a few dozen
+of them in CI. Each request mixes what a client may
 send together: sampling (greedy, seeded, penalties, top-k/p, min-p), `n`, stop strings taken
 from vLLM's own answer (a cross-token one included), logprobs, echo, `return_token_ids`,
 `min_tokens`, `ignore_eos`, special tokens shown, developer and system messages, prompts as

@@ -324,7 +324,7 @@ MIRRORED_SOURCE = "675b9da9bcd048da"
 
 def test_the_general_checks_the_lane_mirrors_are_as_its_copy_knows_them() -> None:
     """A tripwire: `plain._fits` is a second copy of these checks' bounds (one pass; the
-    general checks cost ~2 us of a plain item's ~8, measured at stop 42). A bound added to
+    general checks cost ~2 us of a plain item's ~8). A bound added to
     them alone would go unchecked on the plain lane, so any change to their source fails
     here: add the bound to `_fits` and to `FAULTS`, then pin the new digest."""
     source = "".join(inspect.getsource(f) for f in MIRRORED)

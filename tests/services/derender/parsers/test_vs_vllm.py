@@ -121,7 +121,7 @@ def test_reasoning_token_counts_match_vllm(
     vllm: Vllm, qwen3_tok: ModelTokenizer, combo: tuple[str, str | None]
 ) -> None:
     """`completion_tokens_details.reasoning_tokens` as vLLM counts it, thinking on and off
-    (stop 46's parser fuzz found qwen3's counted apart from vLLM's: see `COUNTED`)."""
+    (qwen3's count once differed from vLLM's: see `COUNTED`)."""
     reasoning, tool = combo
     flags = ParserFlags(tool is not None, tool, reasoning)
     for name, text in (OUTPUTS | COUNTED).items():
