@@ -14,7 +14,7 @@ from tokenline.shared.served import MODEL_OPTIONS
 
 class RenderConfig(ParsingService, frozen=True, kw_only=True):
     port: Port = 8100
-    # Measured (tests/bench/render.py, this 2-core machine, tiny model): threads served
+    # Measured (`python -m research.render`, the 2-core box, tiny model): threads served
     # 1.26-1.40x the requests/s of worker processes at every concurrency (1-64); the process
     # pool's pickling round trip costs more than templating and tokenizing a chat prompt.
     executor: Literal["process", "thread"] = "thread"

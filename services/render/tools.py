@@ -5,7 +5,7 @@ structural tag its `Parser._apply_structural_tag` puts in `structured_outputs` w
 calling is on (`VLLM_ENFORCE_STRICT_TOOL_CALLING`, its default): "required" and named choices
 are constrained to the parser's call format, and so is "auto" when a tool is `strict` or
 `parallel_tool_calls` is false. The JSON is built here without xgrammar, key for key as
-pydantic dumps xgrammar's models (`tests/services/render/test_tools.py` compares it with
+pydantic dumps xgrammar's models (`tests/services/render/test_tools_vs_vllm.py` compares it with
 vLLM's own builder).
 """
 

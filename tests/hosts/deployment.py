@@ -2,7 +2,7 @@
 read from the file itself, so the rehearsal runs what compose would.
 
 What changes on this CPU box, and only that (`cpu_engine`): the vLLM image's GPU settings. The
-engines get the NIXL buffer on the CPU through tokenline's NIXL shim (`../shared/docs/pd-cpu.md`),
+engines get the NIXL buffer on the CPU through tokenline's NIXL shim (`docs/pd-on-cpu.md`),
 the tests' dtype and eager mode, vLLM's CPU environment and the offline model. And the tool and
 reasoning parser flags are dropped (`without_parsers`): the rehearsal runs the tiny model, whose
 vocabulary has no Qwen3 markup tokens, because the Qwen3-vocabulary model's near-uniform logits

@@ -58,7 +58,8 @@ What vLLM 0.32 does, and what we do
 - vLLM's streaming answer differs from its own non-streaming one in many places (tool calls
   streamed before a later bad call turns them into content, whitespace the whole answer strips,
   text after a call, partial arguments of a truncated call, text before a late `<think>`); we
-  stream the non-streaming answer (`tests/.../parsers/test_vs_vllm.py` lists the cases).
+  stream the non-streaming answer (`tests/services/derender/parsers/test_vs_vllm.py` lists the
+  cases).
 
 State and bounds
 ----------------
@@ -71,7 +72,7 @@ runs, hermes' whitespace-only content); and for tool calls the text from the fir
 held until `flush` because vLLM's answer for any call depends on the calls after it. That region
 is bounded by `max_held` (65536 characters by default); past it a parser raises
 `ParserLimitExceeded` rather than grow. Token ranges are kept only for held characters
-(`tests/.../parsers/test_bounds.py`: under 2 KB of msgpack over a 4,000-token answer).
+(`tests/services/derender/parsers/test_bounds.py`: under 2 KB of msgpack over a 4,000-token answer).
 
 Known divergences (bounded, documented in their modules): deepseek_r1 ignores a `<think>` that
 starts `think_window` characters or more into the output; qwen3_coder keeps leading whitespace
