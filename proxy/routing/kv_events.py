@@ -296,7 +296,7 @@ class KvEventSubscriber:
             self._sub.close(linger=0)
             self._sub = None
         if self._own_context:
-            self._context.term()
+            self._context.destroy(linger=0)
 
     async def _run(self, sub: zmq.asyncio.Socket) -> None:
         while True:

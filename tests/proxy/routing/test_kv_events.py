@@ -319,6 +319,10 @@ def test_the_index_never_claims_a_block_the_engine_lacks(
 
 # --- the subscriber, against vLLM's publisher
 
+PROBE = 1000
+"""A key only probes remove: a PUB socket drops what it sends before a subscriber has joined,
+so tests publish these until one arrives."""
+
 
 @pytest.fixture
 def sockets(tmp_path: Path) -> tuple[str, str]:
@@ -330,7 +334,7 @@ def sockets(tmp_path: Path) -> tuple[str, str]:
 async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 def publisher(endpoint: str, replay: str | None, buffer_steps: int = 10_000) -> Any:
@@ -343,10 +347,25 @@ def publisher(endpoint: str, replay: str | None, buffer_steps: int = 10_000) -> 
     )
 
 
+def publish(pub: Any, *events: Any) -> None:
+    pub.publish(vllm_events.KVEventBatch(ts=0, events=list(events)))
+
+
 async def until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(20):
         while not condition():  # noqa: ASYNC110 (the subscriber's counters have no event)
             await asyncio.sleep(0.01)
+
+
+async def join(pub: Any, subscriber: KvEventSubscriber) -> None:
+    """Start `subscriber` once `pub` has sent all it was given (its queue is vLLM's), and
+    probe until its first batch is in (replays included)."""
+    await until(lambda: pub._event_queue.unfinished_tasks == 0)
+    await subscriber.start()
+    async with asyncio.timeout(20):
+        while subscriber.applied == 0:
+            publish(pub, removed(PROBE))
+            await asyncio.sleep(0.05)
 
 
 async def test_a_late_subscriber_rebuilds_from_the_replay(
@@ -359,13 +378,12 @@ async def test_a_late_subscriber_rebuilds_from_the_replay(
     )
     try:
         for n in range(20):  # before anyone listens: only a replay can tell
-            pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(n)]))
-        pub.publish(vllm_events.KVEventBatch(ts=0, events=[removed(3)]))
-        await subscriber.start()
-        await asyncio.sleep(0.2)  # the SUB socket connects
+            publish(pub, stored(n))
+        publish(pub, removed(3))
+        await join(pub, subscriber)
         for n in range(20, 40):
-            pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(n)]))
-        await until(lambda: subscriber.applied == 41)
+            publish(pub, stored(n))
+        await until(lambda: index.copies(39) == 1)
         assert [index.copies(k) for k in range(40)] == [1, 1, 1, 0] + [1] * 36
         assert subscriber.sequencer.clears == 0
     finally:
@@ -383,14 +401,13 @@ async def test_a_replay_that_cannot_cover_clears_and_goes_on(
     )
     try:
         for n in range(10):
-            pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(n)]))
-        await asyncio.sleep(0.3)  # all published before the subscriber joins
-        await subscriber.start()
-        await asyncio.sleep(0.2)
-        pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(10)]))
+            publish(pub, stored(n))
+        await join(pub, subscriber)
+        publish(pub, stored(10))
         await until(lambda: index.copies(10) == 1)
-        # the replay kept seq 8-10 only: what came before is unknown, not assumed
-        assert [index.copies(k) for k in range(11)] == [0] * 8 + [1] * 3
+        # the engine kept its last 3 batches only (8, 9 and the first probe at the latest):
+        # what came before is unknown, not assumed
+        assert [index.copies(k) for k in range(8)] == [0] * 8
         assert subscriber.sequencer.clears == 1
     finally:
         await subscriber.close()
@@ -404,11 +421,9 @@ async def test_without_a_replay_socket_it_starts_from_what_it_sees(
     index = BlockIndex()
     subscriber = KvEventSubscriber(index, sockets[0], topic="kv", context=context)
     try:
-        pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(1)]))
-        await asyncio.sleep(0.2)
-        await subscriber.start()
-        await asyncio.sleep(0.2)
-        pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(2)]))
+        publish(pub, stored(1))
+        await join(pub, subscriber)
+        publish(pub, stored(2))
         await until(lambda: index.copies(2) == 1)
         assert index.copies(1) == 0 and subscriber.sequencer.clears == 0
     finally:
@@ -430,11 +445,9 @@ async def test_a_replay_endpoint_that_never_answers_times_out(
         replay_timeout=0.3,
     )
     try:
-        pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(1)]))
-        await asyncio.sleep(0.2)
-        await subscriber.start()
-        await asyncio.sleep(0.2)
-        pub.publish(vllm_events.KVEventBatch(ts=0, events=[stored(2)]))
+        publish(pub, stored(1))
+        await join(pub, subscriber)
+        publish(pub, stored(2))
         await until(lambda: index.copies(2) == 1)
         assert index.copies(1) == 0 and subscriber.sequencer.clears == 1
     finally:
@@ -447,8 +460,7 @@ async def test_subscriber_checks_the_hasher(
 ) -> None:
     hasher = BlockHasher(4)
     ids = list(range(8))
-    keys = hasher.keys(ids)
-    event = stored(*keys, token_ids=ids, block_size=4)
+    event = stored(*hasher.keys(ids), token_ids=ids, block_size=4)
     results = []
     for ours in (hasher, BlockHasher(4, seed="1")):
         pub = publisher(sockets[0], None)
@@ -456,10 +468,9 @@ async def test_subscriber_checks_the_hasher(
             BlockIndex(), sockets[0], topic="kv", context=context, hasher=ours
         )
         try:
-            await subscriber.start()
-            await asyncio.sleep(0.2)
-            pub.publish(vllm_events.KVEventBatch(ts=0, events=[event]))
-            await until(lambda: subscriber.applied == 1)  # noqa: B023
+            await join(pub, subscriber)
+            publish(pub, event)
+            await until(lambda: subscriber.hash_check != "unchecked")  # noqa: B023
             results.append(subscriber.hash_check)
         finally:
             await subscriber.close()
