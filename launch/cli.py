@@ -116,6 +116,10 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra[:1] == ["routing"]:
+        from tokenline.launch.bench.routing import main as routing
+
+        return routing(extra[1:])
     from tokenline.launch.bench.pipeline import main as bench
 
     return bench(extra)
@@ -153,7 +157,10 @@ def parser() -> argparse.ArgumentParser:
         add(cmd)
         cmd.set_defaults(fn=fn)
     bench = sub.add_parser(
-        "bench", help="benchmark the pipeline against vLLM (see --help)", add_help=False
+        "bench",
+        help="benchmark the pipeline against vLLM (see --help); `bench routing`: routing "
+        "policies over several engines",
+        add_help=False,
     )
     bench.set_defaults(fn=_bench)
     mk = sub.add_parser(
