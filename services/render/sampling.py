@@ -68,6 +68,22 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     return bias
 
 
+SHARED_XARGS = ("kv_cache_report_mode",)
+"""`vllm_xargs` keys a request may not set: "full" makes the engine publish every block it
+reuses as newly stored, which corrupts the KV events every other request is routed by."""
+
+
+def _checked_xargs(xargs: dict[str, object] | None) -> dict[str, object] | None:
+    for key in SHARED_XARGS:
+        if xargs and key in xargs:
+            raise BadRequest(
+                f"vllm_xargs.{key} is not accepted: the engines' KV events are shared by every "
+                "request's routing",
+                param=f"vllm_xargs.{key}",
+            )
+    return xargs or None
+
+
 def _check_values(params: SamplingParams) -> None:
     if params.n > 1 and params.temperature < 1e-5:
         raise BadRequest(f"n must be 1 when using greedy sampling, got {params.n}.", param="n")
@@ -151,7 +167,7 @@ def sampling_params(
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words or None,
         structured_outputs=constraint,
-        extra_args=request.vllm_xargs or None,
+        extra_args=_checked_xargs(request.vllm_xargs),
         output_kind=OUTPUT_DELTA if request.stream else OUTPUT_FINAL_ONLY,
         skip_clone=True,
     )

@@ -203,3 +203,17 @@ async def test_a_service_that_takes_request_templates_never_renders_inline(
     assert not app[render_app.STATE].inline
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     assert (await client.post("/v1/chat/completions/render", json=body)).status == 200
+
+
+def test_a_request_cannot_change_the_kv_events_others_are_routed_by(
+    tiny_tok: ModelTokenizer,
+) -> None:
+    """`kv_cache_report_mode: full` makes an engine report reused blocks as stored: the
+    proxy's view of every replica's cache would drift, so no request may set it."""
+    xargs = {"vllm_xargs": {"kv_cache_report_mode": "full"}}
+    for call in (
+        functools.partial(chat, tiny_tok, **xargs),
+        functools.partial(completion, tiny_tok, prompt="hi", **xargs),
+    ):
+        assert "routing" in refused(call, "vllm_xargs.kv_cache_report_mode").message
+    assert chat(tiny_tok, vllm_xargs={"other": 1})  # other keys still pass to the engine
