@@ -80,7 +80,8 @@ class ProxyMetrics(ServiceMetrics):
             "Cache-aware routing per generate pool, totals since start: decisions, hits "
             "(a replica expected to hold part of the prompt), prompt_tokens, "
             "expected_cached_tokens; kv_event_batches applied, kv_event_clears (a restart, "
-            "or events lost past replay), kv_hash_mismatches",
+            "or events lost past replay), kv_hash_mismatches, kv_event_lag_seconds (the "
+            "slowest engine's last batch)",
             ["pool", "what"],
             registry=self.registry,
         )
@@ -130,6 +131,7 @@ class ProxyMetrics(ServiceMetrics):
             "kv_event_batches": lambda: sum(s.applied for s in subscribers()),
             "kv_event_clears": lambda: sum(s.sequencer.clears for s in subscribers()),
             "kv_hash_mismatches": lambda: sum(s.hash_check == "mismatch" for s in subscribers()),
+            "kv_event_lag_seconds": lambda: max((s.lag for s in subscribers()), default=0.0),
         }
         for what, value in read.items():
             self.routing.labels(role, what).set_function(value)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -270,6 +271,8 @@ class KvEventSubscriber:
         self.hash_check: HashCheck = "unchecked"
         self.applied = 0
         """Batches applied."""
+        self.lag = 0.0
+        """Seconds between the engine's stamp on the last batch applied and its applying."""
         self._own_context = context is None
         self._context = context if context is not None else zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
@@ -341,6 +344,7 @@ class KvEventSubscriber:
                 self._check(batch)
             apply_batch(self.index, batch, group=self.group, medium=self.medium)
             self.applied += 1
+            self.lag = max(time.time() - batch.ts, 0.0)
 
     def _check(self, batch: EventBatch) -> None:
         assert self.hasher is not None

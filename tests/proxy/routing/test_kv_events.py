@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -490,3 +491,22 @@ async def test_start_twice_is_an_error(context: zmq.asyncio.Context) -> None:
 
 def test_keys_match_what_vllm_would_convert() -> None:
     assert block_key(2**70 + 5) == 5
+
+
+async def test_the_lag_is_the_time_since_the_engine_stamped_its_batch(
+    sockets: tuple[str, str], context: zmq.asyncio.Context
+) -> None:
+    pub = publisher(*sockets)
+    subscriber = KvEventSubscriber(
+        BlockIndex(), sockets[0], replay_endpoint=sockets[1], topic="kv", context=context
+    )
+    try:
+        await join(pub, subscriber)  # its probes are stamped 0: decades late
+        assert subscriber.lag > 1e9
+        applied = subscriber.applied
+        pub.publish(vllm_events.KVEventBatch(ts=time.time(), events=[stored(7)]))
+        await until(lambda: subscriber.applied > applied)
+        assert 0.0 <= subscriber.lag < 5.0
+    finally:
+        await subscriber.close()
+        pub.shutdown()
