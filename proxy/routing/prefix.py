@@ -85,15 +85,19 @@ def extra_keys(*, first: bool, cache_salt: str | None, lora: LoraKey | None) -> 
     """A block's extra keys as vLLM builds them (None when there are none)."""
     keys: list[tuple[str, ...]] = []
     if lora is not None:
-        path = lora.path
-        if path is lora.name and len(path) > 1:
-            # pickle writes one object twice as a back-reference; vLLM's name and path are
-            # two objects (decoded separately), so ours must be too
-            path = path[:1] + path[1:]
-        keys.append(("lora", lora.name, path))
+        keys.append(("lora", lora.name, _apart(lora.path, lora.name)))
     if first and cache_salt:
-        keys.append(("cache_salt", cache_salt))
+        keys.append(("cache_salt", _apart(cache_salt, *(lora or ()))))
     return tuple(keys) if keys else None
+
+
+def _apart(text: str, *others: str) -> str:
+    """`text` as an object of its own: pickle writes one object met twice as a back-reference,
+    and vLLM's name, path and salt are separate objects (decoded separately), so ours must be
+    too. (One-character strings are shared by every Python alike.)"""
+    if len(text) > 1 and any(text is other for other in others):
+        return text[:1] + text[1:]
+    return text
 
 
 class BlockHasher:
