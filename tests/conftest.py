@@ -1,4 +1,11 @@
-"""Session fixtures: offline models, and real vLLM servers shared by the whole run.
+"""Session fixtures: offline models, and real vLLM servers shared by the whole run; and the
+kind of every test, a marker given here at collection:
+
+- `hosts`: under tests/hosts/ (network namespaces, root, engines of their own);
+- `fleet`: the test, or a fixture it uses, requests `starts_vllm` (every fixture that starts a
+  vLLM does, `fleet` among them, and so every pipeline in front of one), or is marked so;
+- `unit`: every other test. No vLLM engine, no network namespace: `pytest -m unit` is the fast
+  run. A unit test that starts either fails (tests/engine_guard.py).
 
 Every vLLM a session needs is started at once on first use (each takes 20-45 s on this CPU),
 and stopped at the end. A missing vLLM environment is an error, never a skip.
@@ -14,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_guard import Guard
 from tokenline.launch import servers
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process, start_all
@@ -22,6 +30,46 @@ from tokenline.shared.tokenizer import ModelTokenizer
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"  # tests keep their files in the repository's build/, wherever run from
 MODEL_CACHE = Path(os.environ.get("TOKENLINE_MODEL_CACHE", BUILD / "models"))
+HOSTS = Path(__file__).resolve().parent / "hosts"
+KINDS = {
+    "unit": "starts no server: no vLLM engine, no network namespace (the fast run)",
+    "fleet": "starts real vLLM engines (it or a fixture it uses requests `starts_vllm`)",
+    "hosts": "the multi-host rehearsal: network namespaces (root) and engines of its own",
+}
+"""Every test has one of these, given at collection (`pytest_collection_modifyitems`)."""
+GUARD: list[Guard] = []
+"""Keeps unit tests from starting vLLM or a namespace (made once a run, in `pytest_configure`)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in KINDS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    if not GUARD:
+        GUARD.append(Guard())
+
+
+def kind(item: pytest.Item) -> str:
+    """The kind an unmarked test is (a `research` test is never `unit`: not in the fast run)."""
+    if item.path.is_relative_to(HOSTS):
+        return "hosts"
+    if "starts_vllm" in getattr(item, "fixturenames", ()):
+        return "fleet"
+    return "research" if item.get_closest_marker("research") else "unit"
+
+
+def _mark(item: pytest.Item) -> None:
+    given = {m.name for m in item.iter_markers() if m.name in KINDS}
+    found = kind(item)
+    if "unit" in given and found not in ("unit", "research"):
+        raise pytest.UsageError(f"{item.nodeid} is marked unit, but it is a {found} test")
+    if not given and found in KINDS:
+        item.add_marker(found)
+
+
+@pytest.fixture(scope="session")
+def starts_vllm() -> None:
+    """Requested by every fixture that starts a vLLM engine (and by no other): the tests that
+    use such a fixture are `fleet` tests. A test that starts one itself is marked `fleet`."""
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -128,22 +176,45 @@ STARTED: list[Fleet] = []
 LAST_USER: list[pytest.Item] = []
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Remember the last test that needs the fleet: the tests after it (`tokenline up` with its
-    own engines) get the memory nine vLLMs hold."""
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    """Mark each test with its kind (before `-m` selects on it); then, once the tests are
+    selected and in the order they will run (shuffled by --random-order), remember the last one
+    that needs the fleet: the tests after it (`tokenline up` with its own engines) get the
+    memory nine vLLMs hold."""
+    for item in items:
+        _mark(item)
+    yield
     users = [item for item in items if "fleet" in getattr(item, "fixturenames", ())]
     LAST_USER[:] = users[-1:]
 
 
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("unit") is not None:
+        GUARD[0].arm(item.nodeid)
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     if LAST_USER and item is LAST_USER[0] and nextitem is not None:
         for fleet in STARTED:
             for server in fleet.all():
                 server.stop()
+    yield
+    if item.get_closest_marker("unit") is not None and (started := GUARD[0].disarm()):
+        pytest.fail(
+            f"{item.nodeid} is a unit test, and a unit test starts no server; it started "
+            + "; ".join(started)
+            + ". A test that starts vLLM requests the `starts_vllm` fixture or is marked "
+            "`fleet` (tests/conftest.py)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")
-def fleet(tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
+def fleet(starts_vllm: None, tiny_model: Path, qwen3_model: Path) -> Iterator[Fleet]:
     if (reused := _reused()) is not None:
         yield reused
         return

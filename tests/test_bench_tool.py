@@ -607,6 +607,7 @@ def test_split_cores_pins_each_engine_core_and_nothing_else() -> None:
 # --------------------------------------------------------------------------- real gateway
 
 
+@pytest.mark.fleet  # a vLLM gRPC server
 def test_gateway_target_for_real(tiny_model: Path) -> None:
     """One vLLM gRPC server and the gateway: the bench's target streams the mix, and the
     exactness check reads its answers (text equal whole and streamed)."""

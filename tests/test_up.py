@@ -121,6 +121,7 @@ def _no_process_left(pids: set[int]) -> None:
     assert alive == []
 
 
+@pytest.mark.fleet  # `up` with real engines
 def test_up_serves_and_stops_cleanly(tiny_model: Path, tmp_path: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     up = Up("tokenline-up", ["--render", "2", "--derender", "2"], env)

@@ -90,6 +90,7 @@ def test_cores_the_launcher_may_not_use_are_refused_before_vllm_starts() -> None
     assert "vllm" not in done.stdout.lower()  # refused before anything started
 
 
+@pytest.mark.fleet
 def test_launcher_serves_and_stops_vllm(tiny_model: Path) -> None:
     """Also `--cpu-cores` on a one-pool engine: vLLM's `uni` executor ignores its
     VLLM_CPU_OMP_THREADS_BIND, so the launcher moves the engine there once it is up (it stayed

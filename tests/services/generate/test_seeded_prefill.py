@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tokenline.launch import servers
 from tokenline.launch.bench.http import get, post
 from tokenline.launch.process import Process, free_port
@@ -42,6 +44,7 @@ def running(engine: Process) -> float:
     )
 
 
+@pytest.mark.fleet
 def test_seeded_prompt_sharing_a_step_leaves_the_engine_serving(tiny_model: Path) -> None:
     config = GenerateConfig(
         model=str(tiny_model),
