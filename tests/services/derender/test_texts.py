@@ -22,8 +22,15 @@ def tok(
     return tiny_tok if request.param == "tiny" else qwen3_tok
 
 
+_PARTIAL: dict[int, list[int]] = {}
+"""`_partial` by the identity of its TokenTexts (kept for the process's life by `token_texts`):
+a walk over the vocabulary, once, not once a drawn example."""
+
+
 def _partial(texts: TokenTexts) -> list[int]:
     """Tokens whose bytes are not whole characters: the ones a window decode must join."""
+    if (cached := _PARTIAL.get(id(texts))) is not None:
+        return cached
     found = []
     for token_id, raw in enumerate(texts.plain):
         if raw is None:
@@ -32,7 +39,20 @@ def _partial(texts: TokenTexts) -> list[int]:
             raw.decode("utf-8")
         except UnicodeDecodeError:
             found.append(token_id)
+    _PARTIAL[id(texts)] = found
     return found
+
+
+_CUT: dict[int, list[int]] = {}
+
+
+def _cut(tok: ModelTokenizer) -> list[int]:
+    """Partial tokens that decode alone to a trailing U+FFFD (by tokenizer identity, as
+    `token_texts` keeps them)."""
+    if (cached := _CUT.get(id(tok))) is None:
+        partial = _partial(token_texts(tok))
+        cached = _CUT[id(tok)] = [i for i in partial if tok.decode_one(i).endswith("\ufffd")]
+    return cached
 
 
 def test_both_vocabularies_are_byte_level_with_their_added_tokens_left_out(
@@ -85,8 +105,7 @@ def test_the_byte_table_repair_equals_decoding_window_by_window(
     """`TokenTexts.corrected` (the fast path of a logprob token's U+FFFD repair) answers as
     the repair done with the tokenizer's decodes does, or leaves it to it."""
     texts = token_texts(tok)
-    cut = [i for i in _partial(texts) if tok.decode_one(i).endswith("\ufffd")]
-    token_id = data.draw(st.sampled_from(cut))
+    token_id = data.draw(st.sampled_from(_cut(tok)))
     context = data.draw(windows(tok))
     fast = texts.corrected(token_id, context)
     plain = all(i < len(texts.plain) and texts.plain[i] is not None for i in context[-4:])

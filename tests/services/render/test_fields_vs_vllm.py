@@ -114,21 +114,30 @@ COMPLETION_ONLY: dict[str, dict[str, Any]] = {
 }
 
 
+MODELS = {
+    "chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    "completion": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+}
+
+
 @functools.cache
-def vllm_fields(kind: str) -> list[str]:
-    """The installed vLLM's request fields (read in a child: importing vLLM loads torch)."""
-    module, name = {
-        "chat": ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
-        "completion": ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
-    }[kind]
-    code = (
-        f"import json; from {module} import {name} as V; print(json.dumps(sorted(V.model_fields)))"
-    )
+def _all_vllm_fields() -> dict[str, list[str]]:
+    """Both models' fields, read in one child (importing vLLM loads torch: ~10 s each time)."""
+    code = "import importlib, json; fields = {}\n"
+    for kind, (module, name) in MODELS.items():
+        model = f"importlib.import_module({module!r}).{name}"
+        code += f"fields[{kind!r}] = sorted({model}.model_fields)\n"
+    code += "print(json.dumps(fields))"
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True
     )
-    fields: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
-    return sorted(fields)
+    fields: dict[str, list[str]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return fields
+
+
+def vllm_fields(kind: str) -> list[str]:
+    """The installed vLLM's request fields (read in a child: importing vLLM loads torch)."""
+    return sorted(_all_vllm_fields()[kind])
 
 
 def cases(kind: str) -> list[tuple[str, dict[str, Any]]]:
