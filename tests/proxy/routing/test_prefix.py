@@ -55,8 +55,10 @@ def vllm_hashes(
             os.environ.pop("PYTHONHASHSEED", None)
         function = hashing.get_hash_fn_by_name(algo)
         kv_cache_utils.init_none_hash(function)
-    # name and path reach vLLM's engine as two objects (decoded apart), even when equal
+    # name, path and salt reach vLLM's engine as objects of their own (decoded apart), even
+    # when equal (pickle would write one met twice as a back-reference)
     path = None if lora is None else lora.path[:1] + lora.path[1:]
+    salt = None if salt is None else salt[:1] + salt[1:]
     request = SimpleNamespace(
         block_hashes=[],
         num_tokens=len(ids),
