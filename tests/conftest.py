@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -26,6 +27,9 @@ from tokenline.launch import servers
 from tokenline.launch.models.build import build
 from tokenline.launch.process import Process, start_all
 from tokenline.shared.tokenizer import ModelTokenizer
+
+if TYPE_CHECKING:
+    from tests.proxy.conftest import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"  # tests keep their files in the repository's build/, wherever run from
@@ -249,3 +253,37 @@ def fleet(starts_vllm: None, tiny_model: Path, qwen3_model: Path) -> Iterator[Fl
     finally:
         for server in f.all():
             server.stop()
+
+
+SMOLLM2 = "smollm2"
+"""The real model's served name (`tokenline make-model smollm2`, SmolLM2-135M-Instruct, float32)."""
+SMOLLM2_START_S = 900.0  # vLLM loads ~540 MB of float32 weights, on a CPU shared with the suite
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    return build(SMOLLM2, MODEL_CACHE / SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(starts_vllm: None, smollm2_model: Path) -> Iterator[Process]:
+    """One `vllm serve --enable-scale-out` on the real model: monolithic vLLM through its OpenAI
+    routes (the oracle), and tokenline's generate tier through its token routes."""
+    engine = servers.oracle("vllm-oracle-smollm2", smollm2_model, SMOLLM2).start()
+    try:
+        engine.wait_healthy(SMOLLM2_START_S)
+        yield engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_pipeline(smollm2_model: Path, smollm2_engine: Process) -> Iterator[Pipeline]:
+    from tests.proxy.conftest import start_pipeline  # (that module imports this one)
+
+    p = start_pipeline(SMOLLM2, smollm2_model, [smollm2_engine.url], served=SMOLLM2)
+    try:
+        yield p
+    finally:
+        for s in p.all():
+            s.stop()

@@ -115,10 +115,10 @@ def _extra(kind: str, case: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
     )
 
 
-def _call(client: openai.OpenAI, kind: str, case: dict[str, Any]) -> Any:
+def _call(client: openai.OpenAI, kind: str, case: dict[str, Any], model: str = "tiny") -> Any:
     std, extra = _extra(kind, case)
     api = client.chat.completions if kind == "chat" else client.completions
-    return api.create(model="tiny", extra_body=extra or None, **std)
+    return api.create(model=model, extra_body=extra or None, **std)
 
 
 def _whole(resp: Any, kind: str) -> dict[str, Any]:
@@ -177,11 +177,13 @@ def _streamed(stream: Any, kind: str) -> dict[str, Any]:
     }
 
 
-def _prepare(oracle: openai.OpenAI, kind: str, case: dict[str, Any]) -> dict[str, Any] | None:
+def _prepare(
+    oracle: openai.OpenAI, kind: str, case: dict[str, Any], model: str = "tiny"
+) -> dict[str, Any] | None:
     if case.get("stop") != "@STOP@":
         return case
     plain = {k: v for k, v in case.items() if k not in ("stop", "include_stop_str_in_output")}
-    resp = _call(oracle, kind, plain).model_dump()["choices"][0]
+    resp = _call(oracle, kind, plain, model).model_dump()["choices"][0]
     stop = stop_from(resp["message"]["content"] if kind == "chat" else resp["text"])
     return None if stop is None else {**case, "stop": stop}
 

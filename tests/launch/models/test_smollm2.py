@@ -9,49 +9,19 @@ token routes and derender.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 
-from tests.conftest import MODEL_CACHE
-from tests.proxy.conftest import Pipeline, start_pipeline
-from tokenline.launch import servers
+from tests.conftest import SMOLLM2 as SERVED
+from tests.proxy.conftest import Pipeline
 from tokenline.launch.models.build import build
 from tokenline.launch.models.smollm2 import MAX_MODEL_LEN
 from tokenline.launch.process import Process
 from tokenline.shared.tokenizer import ModelTokenizer
 
-SERVED = "smollm2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-START_S = 900.0  # vLLM loads ~540 MB of float32 weights, on a CPU shared with the suite
-
-
-@pytest.fixture(scope="session")
-def smollm2_model() -> Path:
-    return build(SERVED, MODEL_CACHE / SERVED)
-
-
-@pytest.fixture(scope="session")
-def smollm2_engine(smollm2_model: Path) -> Iterator[Process]:
-    engine = servers.oracle("vllm-oracle-smollm2", smollm2_model, SERVED).start()
-    try:
-        engine.wait_healthy(START_S)
-        yield engine
-    finally:
-        engine.stop()
-
-
-@pytest.fixture(scope="session")
-def smollm2_pipeline(smollm2_model: Path, smollm2_engine: Process) -> Iterator[Pipeline]:
-    p = start_pipeline(SERVED, smollm2_model, [smollm2_engine.url], served=SERVED)
-    try:
-        yield p
-    finally:
-        for s in p.all():
-            s.stop()
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -98,6 +68,11 @@ def test_france_is_answered_as_vllm_answers_it(
     assert "Paris" in mine[0]
     assert mine == theirs
     streamed = _client(smollm2_pipeline.proxy.url).chat.completions.create(
-        model=SERVED, messages=QUESTION, temperature=0, max_tokens=40, stream=True
+        model=SERVED,
+        messages=QUESTION,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=40,
+        stream=True,
     )
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == mine[0]
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)  # type: ignore[union-attr]
+    assert text == mine[0]
