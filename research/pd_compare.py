@@ -4,10 +4,10 @@ through monolithic vLLM, tokenline's P/D and vLLM's own P/D, answer for answer.
     flock /tmp/tokenline-bench.lock .venv/bin/python -m research.pd_compare [--salt]
 
 Starts three engines on SmolLM2-135M-Instruct (float32, `tokenline make-model smollm2`) with
-the settings `tokenline generate` uses: monolithic `vllm serve --enable-scale-out` (cores 0-1),
-a prefill engine on core 0 and a decode engine on core 1 (NixlConnector through tokenline's
-shim); and tokenline (render, derender, proxy `--prefill --skip-prefill-within 0`) in front of
-the pair. Each request goes, one at a time, to:
+the settings `tokenline generate` uses: monolithic `vllm serve --enable-scale-out` (unpinned,
+on both cores), a prefill engine on core 0 and a decode engine on core 1 (NixlConnector through
+tokenline's shim); and tokenline (render, derender, proxy `--prefill --skip-prefill-within 0`)
+in front of the pair. Each request goes, one at a time, to:
 
   mono        monolithic vLLM's OpenAI route
   decode      the decode engine's OpenAI route, no KV handed over: monolithic vLLM on the
@@ -17,10 +17,14 @@ the pair. Each request goes, one at a time, to:
               (max_tokens 1, `kv_transfer_params.do_remote_decode`), then the decode request
               with the `kv_transfer_params` the prefill returned
 
-and the figures compare every path with `mono` (and tokenline with vllm-pd): answers whose
-token IDs differ, answers whose sampled logprobs differ, by how much, and at which position
-(0 is the first token, which tokenline shows from the prefill leg). `--salt` gives every
-request a fresh `cache_salt`: no path reuses another's prefix cache.
+With `--aligned` the prompts end one token past whole KV blocks, and `mono-cached` and
+`decode-cached` send each again to those engines (a prefix-cache hit on all but the last prompt
+token, which the engine then computes alone, as a P/D decode engine does).
+
+The figures compare every path with `mono` (and tokenline and the cached paths with vllm-pd):
+answers whose token IDs differ, answers whose sampled logprobs differ, by how much, and at
+which position (0 is the first token, which tokenline shows from the prefill leg). `--salt`
+gives every request a fresh `cache_salt`: no path reuses another's prefix cache.
 """
 
 from __future__ import annotations
