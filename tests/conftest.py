@@ -4,8 +4,10 @@ kind of every test, a marker given here at collection:
 - `hosts`: under tests/hosts/ (network namespaces, root, engines of their own);
 - `fleet`: the test, or a fixture it uses, requests `starts_vllm` (every fixture that starts a
   vLLM does, `fleet` among them, and so every pipeline in front of one), or is marked so;
+- `slow`: marked so by hand: starts neither, but takes seconds (a child importing vLLM, a whole
+  `tokenline up`, a sweep of every code point), too long for the fast run;
 - `unit`: every other test. No vLLM engine, no network namespace: `pytest -m unit` is the fast
-  run. A unit test that starts either fails (tests/engine_guard.py).
+  run. A unit or slow test that starts either fails (tests/engine_guard.py).
 
 Every vLLM a session needs is started at once on first use (each takes 20-45 s on this CPU),
 and stopped at the end. A missing vLLM environment is an error, never a skip.
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 from tests.engine_guard import Guard
 from tokenline.launch import servers
@@ -37,12 +40,20 @@ MODEL_CACHE = Path(os.environ.get("TOKENLINE_MODEL_CACHE", BUILD / "models"))
 HOSTS = Path(__file__).resolve().parent / "hosts"
 KINDS = {
     "unit": "starts no server: no vLLM engine, no network namespace (the fast run)",
+    "slow": "starts no vLLM engine and no namespace either, but is too slow for the fast run",
     "fleet": "starts real vLLM engines (it or a fixture it uses requests `starts_vllm`)",
     "hosts": "the multi-host rehearsal: network namespaces (root) and engines of its own",
 }
 """Every test has one of these, given at collection (`pytest_collection_modifyitems`)."""
+FAST_EXAMPLES = 10
+settings.register_profile("fast", max_examples=FAST_EXAMPLES)
+"""The fast run's Hypothesis profile (loaded by `-m unit`, or by --hypothesis-profile=fast):
+every property test tries at most FAST_EXAMPLES examples, its own max_examples included. A run
+without it tries what each test asks for (Hypothesis's 100 where it says nothing)."""
 GUARD: list[Guard] = []
-"""Keeps unit tests from starting vLLM or a namespace (made once a run, in `pytest_configure`)."""
+"""Keeps unit and slow tests from starting vLLM or a namespace (made once a run, in
+`pytest_configure`)."""
+SERVER_FREE = ("unit", "slow")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,6 +61,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
     if not GUARD:
         GUARD.append(Guard())
+    if config.option.markexpr == "unit" and not config.getoption("--hypothesis-profile"):
+        settings.load_profile("fast")
 
 
 def kind(item: pytest.Item) -> str:
@@ -61,11 +74,19 @@ def kind(item: pytest.Item) -> str:
     return "research" if item.get_closest_marker("research") else "unit"
 
 
+def _fewer_examples(item: pytest.Item) -> None:
+    """Under the fast profile, a property test's own max_examples is capped at the profile's."""
+    test = getattr(item, "obj", None)
+    given = getattr(test, "_hypothesis_internal_use_settings", None)  # what @settings gave
+    if given is not None and given.max_examples > FAST_EXAMPLES:
+        test._hypothesis_internal_use_settings = settings(given, max_examples=FAST_EXAMPLES)
+
+
 def _mark(item: pytest.Item) -> None:
     given = {m.name for m in item.iter_markers() if m.name in KINDS}
     found = kind(item)
-    if "unit" in given and found not in ("unit", "research"):
-        raise pytest.UsageError(f"{item.nodeid} is marked unit, but it is a {found} test")
+    if found in ("fleet", "hosts") and given - {found}:
+        raise pytest.UsageError(f"{item.nodeid} is marked {given}, but it is a {found} test")
     if not given and found in KINDS:
         item.add_marker(found)
 
@@ -186,16 +207,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     selected and in the order they will run (shuffled by --random-order), remember the last one
     that needs the fleet: the tests after it (`tokenline up` with its own engines) get the
     memory nine vLLMs hold."""
+    fast = settings.get_current_profile_name() == "fast"
     for item in items:
         _mark(item)
+        if fast:
+            _fewer_examples(item)
     yield
     users = [item for item in items if "fleet" in getattr(item, "fixturenames", ())]
     LAST_USER[:] = users[-1:]
 
 
+def _server_free(item: pytest.Item) -> str | None:
+    return next((k for k in SERVER_FREE if item.get_closest_marker(k) is not None), None)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    if item.get_closest_marker("unit") is not None:
+    if _server_free(item):
         GUARD[0].arm(item.nodeid)
     yield
 
@@ -207,9 +235,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             for server in fleet.all():
                 server.stop()
     yield
-    if item.get_closest_marker("unit") is not None and (started := GUARD[0].disarm()):
+    if _server_free(item) and (started := GUARD[0].disarm()):
         pytest.fail(
-            f"{item.nodeid} is a unit test, and a unit test starts no server; it started "
+            f"{item.nodeid} is a {_server_free(item)} test, which starts no vLLM engine and no "
+            "network namespace; it started "
             + "; ".join(started)
             + ". A test that starts vLLM requests the `starts_vllm` fixture or is marked "
             "`fleet` (tests/conftest.py)",

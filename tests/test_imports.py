@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("tests", "proxy", "services", "shared")
 
@@ -33,6 +35,7 @@ print(json.dumps({"imported": sorted(names), "failed": failed, "loaded": sorted(
 """
 
 
+@pytest.mark.slow  # the child imports every module, vLLM's users among them
 def test_every_module_imports_as_tokenline_only() -> None:
     # From the checkout's root, where `tests`, `proxy`, ... would be importable by mistake.
     done = subprocess.run(

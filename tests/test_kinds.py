@@ -1,5 +1,5 @@
-"""Every test's kind (`unit`, `fleet`, `hosts`) as tests/conftest.py gives it, and the guard
-that keeps a `unit` test from starting a vLLM engine or a network namespace."""
+"""Every test's kind (`unit`, `slow`, `fleet`, `hosts`) as tests/conftest.py gives it, and the
+guard that keeps a `unit` or `slow` test from starting a vLLM engine or a network namespace."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import GUARD, ROOT
+from tests.conftest import GUARD, KINDS, ROOT
 from tests.engine_guard import WATCH_S, Guard, starts
 from tokenline.services.generate.launcher import vllm_executable
 
@@ -99,20 +99,21 @@ def test_engines_running_before_the_test_are_not_its_own(guard: Guard) -> None:
         child.wait()
 
 
-KINDS_PLUGIN = """
+KINDS_PLUGIN = f"""
+KINDS = {tuple(KINDS)}
 def pytest_collection_finish(session):
     for item in session.items:
-        kinds = sorted(m.name for m in item.iter_markers() if m.name in ("unit", "fleet", "hosts"))
+        kinds = sorted(m.name for m in item.iter_markers() if m.name in KINDS)
         print("kinds", item.nodeid.split("::", 1)[1].split("[")[0], *kinds)
 """
 
 
 def test_kinds_come_from_fixtures_paths_and_marks(tmp_path: Path) -> None:
-    """Each test of two files and of tests/hosts/ has one kind (collected in a child run, which
-    prints them)."""
+    """Each test of three files and of tests/hosts/ has one kind (collected in a child run,
+    which prints them)."""
     (tmp_path / "print_kinds.py").write_text(KINDS_PLUGIN)
     paths = ["tests/services/generate/test_launcher.py", "tests/proxy/test_parity.py"]
-    paths += ["tests/hosts"]
+    paths += ["tests/test_imports.py", "tests/hosts"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "print_kinds", *paths],
         cwd=ROOT,
@@ -138,5 +139,6 @@ def test_kinds_come_from_fixtures_paths_and_marks(tmp_path: Path) -> None:
         "test_one_builder_for_every_vllm",
         "test_cores_the_launcher_may_not_use_are_refused_before_vllm_starts",
     }
+    assert kinds["slow"] == {"test_every_module_imports_as_tokenline_only"}  # marked
     assert "test_baseline_and_pd_moves_kv_between_hosts" in kinds["hosts"]
     assert len(kinds["hosts"]) >= 6

@@ -199,6 +199,7 @@ def _kill(up: Up, name: str) -> int:
     return mark
 
 
+@pytest.mark.slow  # a whole `up` (vLLM faked), killed four times, with its backoffs
 def test_up_restarts_what_dies_while_the_rest_keep_serving(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -244,6 +245,7 @@ def test_up_restarts_what_dies_while_the_rest_keep_serving(
     _no_process_left(up.pids())
 
 
+@pytest.mark.slow  # a whole `up` (vLLM faked)
 def test_up_gives_up_at_once_on_an_engine_that_says_it_cannot_start(
     tiny_model: Path, tmp_path: Path
 ) -> None:

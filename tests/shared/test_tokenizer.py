@@ -102,6 +102,7 @@ def test_nfc_text_skips_the_normalizer(tiny_tok: ModelTokenizer, qwen3_tok: Mode
         assert not tok._left_alone_by_nfc("<|im_end|>é")  # cut before a non-ASCII character
 
 
+@pytest.mark.slow  # every code point, in five contexts
 def test_python_nfc_verdict_holds_for_the_tokenizers_tables(tiny_tok: ModelTokenizer) -> None:
     """Every code point, alone and among combining marks of either side of its class: where
     Python's tables call the text NFC, the tokenizer's NFC leaves it as it is (so the shortcut

@@ -145,6 +145,7 @@ def cases(kind: str) -> list[tuple[str, dict[str, Any]]]:
     return [(name, own[name] if name in own else BOTH[name]) for name in vllm_fields(kind)]
 
 
+@pytest.mark.slow  # reads the fields in a child importing vLLM
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_every_vllm_field_is_known_to_tokenline(kind: str) -> None:
     """Each field decodes into tokenline's request type (none is dropped by a lenient decoder)
