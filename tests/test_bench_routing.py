@@ -240,7 +240,7 @@ def test_the_report_shows_every_row_and_says_what_was_not_measured() -> None:
         {"workload": "chat", "target": t, **measured, "routing": {}, "first_errors": []}
         for t in ("one replica", "cache-aware")
     ]
-    rows[1]["routing"] = {"kv_event_batches": 12.0}
+    rows[1]["routing"] = {"kv_event_batches": 12.0, "kv_event_lag_seconds": 0.0123}
     result = {
         "replicas": 2,
         "cpu_cores": True,
@@ -253,7 +253,7 @@ def test_the_report_shows_every_row_and_says_what_was_not_measured() -> None:
     assert "| chat | cache-aware | 0.500 | 1.00x | 50 of 100 | 10 / 10 ms |" in text
     assert "| 100 / 0 | 2.00x | 0 |" in text
     assert "- gateway not measured: --no-gateway" in text
-    assert "- chat: kv_event_batches 12" in text
+    assert "- chat: kv_event_batches 12, kv_event_lag_seconds 0.0123" in text
 
 
 def test_tokenline_bench_routing_reaches_this_benchmark() -> None:

@@ -289,7 +289,7 @@ def reset_caches(engines: Sequence[Process]) -> None:
             time.sleep(0.5)
 
 
-LEVELS = {"replicas_routed", "kv_hash_mismatches"}
+LEVELS = {"replicas_routed", "kv_hash_mismatches", "kv_event_lag_seconds"}
 """Routing gauges that are levels, not totals since start (the others are read as deltas)."""
 
 
@@ -411,12 +411,16 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "cache-aware's proxy (decode pool):", ""]
     for r in result["rows"]:
         if r["target"] == "cache-aware":
-            gauges = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(r["routing"].items()))
+            gauges = ", ".join(f"{k} {_number(v)}" for k, v in sorted(r["routing"].items()))
             lines.append(f"- {r['workload']}: {gauges}")
     for r in result["rows"]:
         for error in r["first_errors"]:
             lines.append(f"- error, {r['workload']} through {r['target']}: {error}")
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if value == int(value) else f"{value:,.3g}"
 
 
 # --------------------------------------------------------------------------- command line
