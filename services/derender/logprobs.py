@@ -86,44 +86,6 @@ def shown_candidates(entry: GenerateLogProbsContent, top: int | None) -> Sequenc
     return entry.top_logprobs if top is None or top == -1 else entry.top_logprobs[:top]
 
 
-def chat_logprobs_of(
-    tok: ModelTokenizer,
-    context: Sequence[int],
-    entries: Sequence[GenerateLogProbsContent],
-    top: int | None,
-) -> list[ChatLogprob]:
-    """`LogprobResolver(tok, context).chat(entries, top)`; without a resolver when every token
-    shows the same in any context (`known_chat_logprobs`: a chunk's usual entries)."""
-    known = known_chat_logprobs(token_texts(tok).decoded, entries, top)
-    return known if known is not None else LogprobResolver(tok, context).chat(entries, top)
-
-
-def known_chat_logprobs(
-    known: dict[int, Decoded | None], entries: Sequence[GenerateLogProbsContent], top: int | None
-) -> list[ChatLogprob] | None:
-    """The entries as `LogprobResolver.chat` shows them, when `known` (`TokenTexts.decoded`)
-    holds every token's text (None: one needs the sampled IDs before it, or is not cached yet;
-    a resolver then finds it). A resolver built per chunk cost more than a tenth of a plain
-    chunk's derender."""
-    out = []
-    for e in entries:
-        sampled = known.get(e.token_id)
-        if sampled is None:
-            return None
-        alts = []
-        for t in shown_candidates(e, top):
-            d = known.get(t.token_id)
-            if d is None:
-                return None
-            alts.append(TopLogprob(token=d.token, logprob=t.logprob, bytes=d.bytes))
-        out.append(
-            ChatLogprob(
-                token=sampled.token, logprob=e.logprob, bytes=sampled.bytes, top_logprobs=alts
-            )
-        )
-    return out
-
-
 class LogprobResolver:
     """Resolves one choice's logprob entries, carrying the sampled-ID context (a plain class
     with slots: one is built per chunk)."""
@@ -155,8 +117,6 @@ class LogprobResolver:
         self, entries: Sequence[GenerateLogProbsContent], top: int | None
     ) -> list[ChatLogprob]:
         """`top`: how many candidates to show (None: all; 0: none), the first ones in order."""
-        # (a chunk whose every token shows the same in any context, the usual one, never gets
-        # here: `chat_logprobs_of` answers it with `known_chat_logprobs`)
         out = []
         for e in entries:
             sampled = self._decoded(e.token_id)

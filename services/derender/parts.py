@@ -12,7 +12,7 @@ from tokenline.services.derender.choice import (
     ChoiceOutput,
     ChoiceState,
 )
-from tokenline.services.derender.logprobs import LogprobResolver, chat_logprobs_of
+from tokenline.services.derender.logprobs import LogprobResolver
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
     ChatCompletionRequest,
@@ -74,7 +74,8 @@ def chat_logprobs(
 ) -> ChatLogprobs | None:
     if out.logprobs is None or (request is not None and not request.logprobs):
         return None
-    return ChatLogprobs(content=chat_logprobs_of(tok, out.context, out.logprobs, chat_top(request)))
+    content = LogprobResolver(tok, out.context).chat(out.logprobs, chat_top(request))
+    return ChatLogprobs(content=content)
 
 
 def completion_logprobs(

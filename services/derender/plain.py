@@ -17,7 +17,7 @@ from tokenline.services.derender.bounds import DerenderSettings, logprobs_fit
 from tokenline.services.derender.choice import ChoiceOptions, check_state
 from tokenline.services.derender.derender import DerenderRequest, checked_call
 from tokenline.services.derender.detok import Detokenizer, DetokState
-from tokenline.services.derender.logprobs import LogprobResolver, chat_logprobs_of
+from tokenline.services.derender.logprobs import LogprobResolver
 from tokenline.services.derender.parts import chat_top
 from tokenline.shared.limits import DETOK_MAX_WINDOW, LOGPROB_CONTEXT
 from tokenline.shared.tokenizer import ModelTokenizer
@@ -183,7 +183,8 @@ def _chat_choice(
     index, ids, text = shown
     logprobs = None
     if content is not None and client.logprobs:
-        logprobs = ChatLogprobs(content=chat_logprobs_of(tok, context, content, chat_top(client)))
+        entries = LogprobResolver(tok, context).chat(content, chat_top(client))
+        logprobs = ChatLogprobs(content=entries)
     choice = ChatStreamChoice(
         index=index,
         delta=Delta(content=text),  # "" while text is held back, as vLLM streams it

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenline.services.derender.logprobs import (
     LogprobResolver,
-    chat_logprobs_of,
     decode_token,
     decoded_in_windows,
-    known_chat_logprobs,
 )
 from tokenline.services.derender.texts import Decoded, token_texts
 from tokenline.shared.limits import LOGPROB_CONTEXT
@@ -119,13 +116,10 @@ def test_decode_token_equals_the_reference(tok: ModelTokenizer, data: Any) -> No
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(data=st.data(), resolver=st.booleans())
-def test_a_chunks_chat_logprobs_equal_the_reference(
-    tok: ModelTokenizer, data: Any, resolver: bool
-) -> None:
+@given(data=st.data())
+def test_a_chunks_chat_logprobs_equal_the_reference(tok: ModelTokenizer, data: Any) -> None:
     """A chunk's entries, each with candidates, resolved with the sampled-ID context carried
-    from entry to entry (and from the chunk before): by a resolver, or by `chat_logprobs_of`
-    (without one when every token is cached as context-free)."""
+    from entry to entry (and from the chunk before)."""
     context = data.draw(st.lists(_ids(tok), max_size=6))
     sampled = data.draw(st.lists(_ids(tok), min_size=1, max_size=4))
     entries = [
@@ -139,10 +133,7 @@ def test_a_chunks_chat_logprobs_equal_the_reference(
         )
         for t in sampled
     ]
-    if resolver:
-        got = LogprobResolver(tok, context).chat(entries, None)
-    else:
-        got = chat_logprobs_of(tok, context, entries, None)
+    got = LogprobResolver(tok, context).chat(entries, None)
     seen = list(context)
     for entry, shown in zip(entries, got, strict=True):
         want = reference(tok, entry.token_id, seen[-LOGPROB_CONTEXT:])
@@ -154,13 +145,11 @@ def test_a_chunks_chat_logprobs_equal_the_reference(
 
 
 @pytest.mark.parametrize("top", [None, -1, 0, 1])
-def test_known_tokens_are_shown_without_a_resolver(tok: ModelTokenizer, top: int | None) -> None:
-    """Entries whose every token shows the same in any context (words): shown from the cache
-    as a resolver shows them; one token whose text needs the tokens before it (the end of a
-    character), sampled or a candidate: left to a resolver."""
+def test_words_show_their_own_text_in_any_context(tok: ModelTokenizer, top: int | None) -> None:
+    """Entries whose every token shows the same in any context (words): each shows the
+    token's own text, with the first `top` candidates (None or -1: all)."""
     texts = token_texts(tok)
     words = tok.encode(" hello world", add_special_tokens=False)
-    cut = next(i for i in _cut(tok) if texts.standalone(i) is None)
     assert all(texts.standalone(w) for w in words)
     entries = [
         GenerateLogProbsContent(
@@ -168,9 +157,7 @@ def test_known_tokens_are_shown_without_a_resolver(tok: ModelTokenizer, top: int
         )
         for w, v in zip(words, reversed(words), strict=True)
     ]
-    known = known_chat_logprobs(texts.decoded, entries, top)
-    assert known is not None and known == LogprobResolver(tok, []).chat(entries, top)
-    assert known[0].token == tok.decode_one(words[0])
-    for faulty in ({"token_id": cut}, {"top_logprobs": [GenerateLogProb(token_id=cut, logprob=0)]}):
-        changed = [*entries[:-1], msgspec.structs.replace(entries[-1], **faulty)]
-        assert known_chat_logprobs(texts.decoded, changed, None) is None
+    shown = LogprobResolver(tok, []).chat(entries, top)
+    assert [s.token for s in shown] == [tok.decode_one(w) for w in words]
+    tops = [[t.token for t in s.top_logprobs] for s in shown]
+    assert tops == [[tok.decode_one(v)][: 0 if top == 0 else 1] for v in reversed(words)]
