@@ -104,11 +104,6 @@ class Detokenizer:
 
     def _step(self, token_id: int) -> str:
         state = self.state
-        if len(state.ids) == state.prefix and (own := self.texts.own_text(token_id)) is not None:
-            # nothing held back: the window's text ends on a character boundary, and this
-            # token's bytes are whole characters (`texts.py`): what the general path computes
-            state.ids, state.prefix = [token_id], 1
-            return own
         ids = [*state.ids, token_id]
         texts, skip = self.texts, self.skip_special_tokens
         text = texts.decode(ids, skip)

@@ -1,12 +1,5 @@
 """What derender knows of each token on its own, per tokenizer, computed once per process.
 
-- The detokenizer's fast path (`own_text`): byte-level BPE decodes a sequence as its tokens'
-  bytes, concatenated and read as UTF-8, so after text that ends on a character boundary a
-  token whose bytes are whole characters adds exactly its own text (`ModelTokenizer.decode_one`,
-  cached): one lookup replaces the two window decodes of the general algorithm.
-  SentencePiece-style decoders strip a leading space from the first token of a decode instead,
-  and added tokens (special or not) have spacing rules around them: those always take the
-  general path.
 - A logprob entry's token and bytes (`standalone`): every entry shows the sampled token and its
   candidates; a token whose text does not end in U+FFFD shows the same whatever came before, and
   so does a byte-level token with a byte that starts a character afresh and whose bytes end
@@ -49,15 +42,11 @@ NOTHING = Decoded("", [])
 class TokenTexts:
     tok: ModelTokenizer
     byte_level: bool
-    added: frozenset[int]
     plain: list[bytes | None] = field(default_factory=list)
     """Byte-level only: each token's bytes by ID, None for an added token (empty otherwise)."""
     decoded: dict[int, Decoded | None] = field(default_factory=dict)
     """`standalone`'s cache, bounded by the vocabulary (the bytes lists are shared, never
     changed); None for a token whose text depends on the tokens before it."""
-    own: dict[int, str | None] = field(default_factory=dict)
-    """`own_text`'s cache, bounded by the vocabulary (the detokenizer asks it for every
-    token)."""
 
     bytes_of: Callable[[int], bytes] = field(init=False, repr=False, compare=False)
     """The byte table's lookup, typed as if every entry were bytes: an added token's None fails
@@ -71,7 +60,7 @@ class TokenTexts:
     def of(cls, tok: ModelTokenizer) -> TokenTexts:
         byte_level = isinstance(tok.rust.decoder, ByteLevel)
         added = frozenset(tok.added_tokens)
-        return cls(tok, byte_level, added, _token_bytes(tok, added) if byte_level else [])
+        return cls(tok, byte_level, _token_bytes(tok, added) if byte_level else [])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         """`tok.decode(ids, skip_special_tokens)`, from the byte table when every ID is a
@@ -114,21 +103,6 @@ class TokenTexts:
     def ends_cut(self, token_id: int) -> bool:
         """The token's own text ends in U+FFFD (a character it does not finish)."""
         return self.tok.decode_one(token_id).endswith(REPLACEMENT)
-
-    def own_text(self, token_id: int) -> str | None:
-        """The text `token_id` adds after text ending on a character boundary, when that is
-        its own text (None: decode the window)."""
-        try:
-            return self.own[token_id]
-        except KeyError:  # a token's first time (one lookup, not two, for every other)
-            found = self.own[token_id] = self._own_text(token_id)
-            return found
-
-    def _own_text(self, token_id: int) -> str | None:
-        if not self.byte_level or token_id in self.added:
-            return None
-        text = self.tok.decode_one(token_id)
-        return text if text and REPLACEMENT not in text else None
 
     def standalone(self, token_id: int) -> Decoded | None:
         """The token's text and UTF-8 bytes when they are the same whatever came before it;
