@@ -48,11 +48,6 @@ def sse(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-CHUNKED_EVENT = b"%x\r\ndata: %b\n\n\r\n"
-"""One SSE event as one HTTP chunk, from the event's size and its payload."""
-EVENT_FRAMING = len(b"data: \n\n")
-
-
 def events(chunks: list[Any]) -> bytes:
     """Chunks as consecutive SSE events (a chunk that is JSON already as it is)."""
     if len(chunks) == 1:  # a stream's usual write: one chunk, one copy
@@ -151,17 +146,16 @@ class EventStream:
     def send_now(self, chunks: list[Any]) -> bool:
         """One write straight to the transport, framed as the response's own writes are
         (chunked, unless an HTTP/1.0 client's body ends with the connection): a pumped
-        stream's (`proxy/flow/pump.py`) in an event-loop callback. False: it did not go out (the
-        connection is closing), or the buffer is full now."""
+        stream's (`proxy/flow/pump.py`), in an event-loop callback, which cannot await
+        `StreamResponse.write` (whose drain may suspend once a write fills the buffer). It is
+        there for the pump, not for speed: aiohttp's write driven from the same callback cost
+        the same, within noise (`python -m research.hop --transports batched`). False: it did
+        not go out (the connection is closing), or the buffer is full now."""
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():
             return False
-        if self.chunked and len(chunks) == 1:  # a pumped token's: event and framing, one copy
-            payload = _json(chunks[0])
-            transport.write(CHUNKED_EVENT % (len(payload) + EVENT_FRAMING, payload))
-        else:
-            data = events(chunks)
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        data = events(chunks)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return not protocol.writing_paused
 
     async def serve(self, run: Awaitable[None]) -> web.StreamResponse:
