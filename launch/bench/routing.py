@@ -277,7 +277,10 @@ def front(shared: Shared, target: Target, engines: list[Process]) -> Process:
 
 
 def reset_caches(engines: Sequence[Process]) -> None:
-    """Every engine's prefix cache emptied (vLLM refuses while blocks are held: retried)."""
+    """Every engine's prefix cache emptied (vLLM refuses while blocks are held: retried),
+    then one short request each: vLLM publishes KV events after an engine step, so the
+    `AllBlocksCleared` goes out now rather than with the workload's first blocks (the
+    request fills no block: it stores nothing)."""
     deadline = time.monotonic() + RESET_S
     for e in engines:
         while True:
@@ -287,6 +290,26 @@ def reset_caches(engines: Sequence[Process]) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{e.name}: /reset_prefix_cache answered {status} {answer}")
             time.sleep(0.5)
+        status, answer = post(e.url + "/v1/chat/completions", warm_up_body())
+        assert status == 200, answer
+
+
+def events_settled(proxy: Process, quiet: float = 1.0, timeout: float = 30.0) -> None:
+    """Until the proxy has applied every KV event batch it will get (none for `quiet`
+    seconds). A proxy that joins late replays each engine's
+    events from its start on the first one it receives, the clears of earlier measurements
+    among them, and a replayed clear also forgets what the proxy sent since: the workload
+    must not begin while that runs."""
+    deadline = time.monotonic() + timeout
+    last = routing_gauges(scrape(proxy.url), {}).get("kv_event_batches", 0.0)
+    calm_since = time.monotonic()
+    while time.monotonic() - calm_since < quiet:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proxy.name}: KV events still arriving after {timeout:.0f} s")
+        time.sleep(0.2)
+        now = routing_gauges(scrape(proxy.url), {}).get("kv_event_batches", 0.0)
+        if now != last:
+            last, calm_since = now, time.monotonic()
 
 
 LEVELS = {"replicas_routed", "kv_hash_mismatches", "kv_event_lag_seconds"}
@@ -323,6 +346,8 @@ def measure(shared: Shared, target: Target, workload: Workload) -> dict[str, Any
             status, answer = post(proxy.url + "/v1/chat/completions", warm_up_body())
             assert status == 200, answer
         reset_caches(shared.engines)
+        if target.routing == "cache-aware":
+            events_settled(proxy)
         before = [scrape(e.url) for e in engines]
         routed = routing_gauges(scrape(proxy.url), names) if target.routing else {}
         replies, seconds = asyncio.run(drive(proxy.url, workload))
