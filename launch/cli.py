@@ -20,7 +20,6 @@ GENERATE_START_S = 600.0  # vLLM on a busy CPU can take minutes to load and warm
 
 
 def _render(args: argparse.Namespace, extra: list[str]) -> int:
-    from tokenline.services.render import malloc
     from tokenline.services.render.app import make_app
     from tokenline.services.render.config import from_args
     from tokenline.shared.cpu import set_cpu_policy
@@ -28,9 +27,6 @@ def _render(args: argparse.Namespace, extra: list[str]) -> int:
 
     config = from_args(args)
     set_cpu_policy(config.cpu_policy)
-    # the process's allocator, owned by the render command (never an app built in another
-    # process, such as a test run's); a process pool's workers set their own
-    malloc.tune_for_tokenizing()
     run(make_app(config), config.host, config.port)
     return 0
 

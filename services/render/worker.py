@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenline.services.render import malloc
 from tokenline.services.render.render import RenderSettings, render_chat, render_completion
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import CHAT_REQUEST, COMPLETION_REQUEST, JSON
@@ -41,7 +40,6 @@ _PROCESS_RENDERER: list[Renderer] = []
 
 
 def init_process(model: str, chat_template: str | None, settings: RenderSettings) -> None:
-    malloc.tune_for_tokenizing()  # a spawned (not forked) worker does not inherit it
     _PROCESS_RENDERER[:] = [Renderer(ModelTokenizer.load(model, chat_template), settings)]
 
 
