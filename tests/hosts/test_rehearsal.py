@@ -29,6 +29,8 @@ from tokenline.launch.process import Process
 
 KV_MOVED = ("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
 BASELINE: dict[tuple[int, int], str] = {}
+"""The reference answer of stream i at max_tokens, run alone on the whole deployment (made by
+the first test that needs it, whichever runs first: `references`)."""
 SHORT = 48
 LONG = 1500
 """The migration test's streams: ~4 s each at the tiny engine's ~400 tokens/s (prompt + output
@@ -101,6 +103,16 @@ async def stream(
     return json.dumps({"reasoning": "".join(reasoning), "text": "".join(text), "usage": usage})
 
 
+async def references(r: Rehearsal, count: int, max_tokens: int = SHORT) -> None:
+    """`BASELINE` for streams 0 to count-1, each missing one run alone, before any fault."""
+    missing = [i for i in range(count) if (i, max_tokens) not in BASELINE]
+    if not missing:
+        return
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+        for i in missing:  # one at a time: the reference texts
+            BASELINE[i, max_tokens] = await stream(session, r.proxy.url, i, max_tokens)
+
+
 async def workload(
     r: Rehearsal,
     count: int,
@@ -110,7 +122,9 @@ async def workload(
     report: Report | None = None,
 ) -> Report:
     """`count` streams started `spacing` s apart, `fault` run once a third have started (and
-    before the rest start), reported in `report` (a new one by default) as they go."""
+    before the rest start), reported in `report` (a new one by default) as they go; compared
+    with their `references` (made first if this is the first test to need them)."""
+    await references(r, count, max_tokens)
     report = report or Report()
     timeout = aiohttp.ClientTimeout(total=180)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -160,12 +174,20 @@ def served_by(derender: Process) -> float:
     return engine_metric(derender, "tokenline_derender_requests_total")
 
 
+@pytest.fixture(autouse=True)
+async def serving(rehearsal: Rehearsal) -> None:
+    """Each test starts on the whole deployment in the proxy's rotation: a replica a test
+    before it restarted (or left partitioned when it failed) is back first."""
+    for service in ("render", "derender", "generate-prefill", "generate-decode"):
+        await _until_serving(rehearsal, service, len(rehearsal.hosts[service]), within=120)
+
+
 async def test_baseline_and_pd_moves_kv_between_hosts(rehearsal: Rehearsal) -> None:
     decodes = [rehearsal.processes[f"generate-decode-{i}"] for i in range(2)]
     moved = sum(engine_metric(d, *KV_MOVED) for d in decodes)
-    async with aiohttp.ClientSession() as session:
-        for i in range(12):  # one at a time: the reference texts
-            BASELINE[i, SHORT] = await stream(session, rehearsal.proxy.url, i)
+    for i in range(12):  # made here, by this test, whatever ran before it
+        BASELINE.pop((i, SHORT), None)
+    await references(rehearsal, 12)
     # the model writes something every time (so "identical" compares real text)
     assert all(json.loads(BASELINE[i, SHORT])["text"] for i in range(12))
     report = await workload(rehearsal, 12)
@@ -253,7 +275,8 @@ async def test_a_dead_replica_loses_nothing(rehearsal: Rehearsal, victim: str) -
     try:
         report = await workload(rehearsal, 12, kill)
     finally:
-        await asyncio.to_thread(lambda: process.start().wait_healthy(600))
+        if process.exited():  # (not if the workload failed before the kill)
+            await asyncio.to_thread(lambda: process.start().wait_healthy(600))
     report.show(f"SIGKILL of {victim}")
     assert (report.completed, report.identical, report.errored) == (12, 12, 0), report.errors
     service = victim.rsplit("-", 1)[0]
@@ -290,26 +313,29 @@ def _killer(
 
 async def test_decode_death_mid_stream_is_survived_by_migration(rehearsal: Rehearsal) -> None:
     """SIGKILL of one of the two decode engines while long streams run on both: every affected
-    stream continues on the other one, identical to an unbroken run, usage counted once.
-    (Last in the module: the killed engine stays dead.)"""
-    # both decodes in the rotation (an earlier test partitioned decode-0): else every stream
-    # may run on decode-1 and the kill hits an idle engine
+    stream continues on the other one, identical to an unbroken run, usage counted once. The
+    killed engine is started again afterwards."""
+    # both decodes in the rotation (a test before may have partitioned decode-0): else every
+    # stream may run on decode-1 and the kill hits an idle engine
     await _until_serving(rehearsal, "generate-decode", 2, within=60)
-    async with aiohttp.ClientSession() as session:
-        for i in range(6):
-            BASELINE[i, LONG] = await stream(session, rehearsal.proxy.url, i, LONG)
+    await references(rehearsal, 6, LONG)
     victim = rehearsal.processes["generate-decode-0"]
     before = proxy_metric(rehearsal, "tokenline_proxy_migrations_total")
 
     seen: list[tuple[float, list[int], int]] = []
-    for _ in range(ATTEMPTS):  # a round whose streams all end before the moment comes: again
-        report = Report()
-        kill = _killer(victim, report, seen)
-        await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG, report=report)
-        if report.killed:
-            break
+    try:
+        for _ in range(ATTEMPTS):  # a round whose streams all end before the moment comes: again
+            report = Report()
+            kill = _killer(victim, report, seen)
+            await workload(rehearsal, 6, kill, spacing=0.1, max_tokens=LONG, report=report)
+            if report.killed:
+                break
+    finally:
+        if victim.exited():
+            await asyncio.to_thread(lambda: victim.start().wait_healthy(600))
     report.show("SIGKILL of generate-decode-0")
     assert (report.completed, report.identical, report.errored) == (6, 6, 0), report.errors
     # last seen: (the victim's running requests, chunks each stream had shown, completed)
     assert report.killed, f"no stream ran on the victim with output in {ATTEMPTS} rounds {seen}"
     assert proxy_metric(rehearsal, "tokenline_proxy_migrations_total") > before
+    await _until_serving(rehearsal, "generate-decode", 2, within=60)
