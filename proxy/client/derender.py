@@ -171,7 +171,12 @@ class _Quick:
     """A batch body sent from the flush's callback on an open batch socket, its answer heard
     in the socket's callback (`BatchedDerender._dispatch`): to the socket, it waits as a
     future would (`sockets.Waiter`). It holds its replica's lease and its read timer until it
-    is over: answered, failed (the retries then go on in a task), or abandoned."""
+    is over: answered, failed (the retries then go on in a task), or abandoned.
+
+    What it saves: ~3 us of proxy CPU per token (~9%). In `.venv/bin/python -m research.hop
+    --transports batched`, against the same code sending every batch through `_answer`'s task,
+    interleaved in one run (ABBA, 28 blocks over four runs): 32.2 us per token with it, +3.1 us
+    without (paired difference, IQR +2.1..+4.3)."""
 
     __slots__ = (
         "body",

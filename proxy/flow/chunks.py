@@ -48,8 +48,12 @@ ReadChoice: TypeAlias = GenerateStreamChoice | GenerateChoiceHead
 """A generate chunk's choice as the proxy knows it: decoded whole, or as derender read the chunk
 the proxy passed on unread (`StreamFlow.passed_on`), only what the proxy needs of it."""
 StreamAnswer = Any
-"""`RawStreamAnswer`, or a decoded `DerenderChatStreamResponse` /
-`DerenderCompletionStreamResponse` (binary transports)."""
+"""`BatchItemAnswer` or `RawStreamAnswer`, read lazily (the client's chunk and the state stay
+JSON: the chunk goes out as derender wrote it, the state back as it came), or a decoded
+`DerenderChatStreamResponse` / `DerenderCompletionStreamResponse`. Reading lazily saves ~7 us of
+proxy CPU per token (~18%): in `.venv/bin/python -m research.hop --transports batched`, against
+the same code decoding each batch item's chunk and state, interleaved in one run (ABBA, 10
+blocks), 36.8 us per token lazily, +6.6 us decoded (paired difference, IQR +2.4..+9.2)."""
 FINISHED = b'"finish_reason":"'
 """In a generate chunk passed on unread: a choice ends with it (vLLM writes `"finish_reason":null`
 in every other chunk). Its call goes at once (`StreamCall.urgent`): the client's next request

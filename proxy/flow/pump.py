@@ -13,6 +13,11 @@ Anything else gives the stream back to its task, which goes on as it always did:
 (a finish or a stop string), derender's error, the client's buffer full, the engine's end or
 failure, a read that is not one chunk of one choice. The task waits first for the call in
 flight to be answered and written (`settled`), so the order of events is the task's own.
+
+What it saves: ~10 us of proxy CPU per token (~30%). In
+`.venv/bin/python -m research.hop --transports batched` (64 streams x 256 tokens), against the
+same code with `Streaming._pumpable` always False, interleaved in one run (ABBA, 10 blocks):
+34.3 us per token with the pump, +10.5 us without it (paired difference, IQR +8.2..+11.6).
 """
 
 from __future__ import annotations

@@ -6,6 +6,12 @@ output, call) around the two pieces that do the work. `plain_answer` runs those 
 detokenizer and the logprob resolver, after the same checks, and leaves everything else (None)
 to the general path; tests hold the two to the same bytes for every chunk it answers, of
 either kind.
+
+What it saves: ~3.4 us of derender CPU per token (~17%), ~5.6 us (~24%) with logprobs. In
+`.venv/bin/python -m research.hop --transports batched`, against the same code with
+`DerenderState.stream_now` always taking the general path, interleaved in one run (ABBA):
+19.7 us per token with it, +3.4 us without (paired difference, IQR +2.7..+4.3, 10 blocks);
+with `logprobs` and `top_logprobs=2`, 23.8 us, +5.6 us (IQR +5.2..+7.9, 4 blocks).
 """
 
 from __future__ import annotations
