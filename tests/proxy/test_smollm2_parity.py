@@ -4,6 +4,9 @@ test_structured_outputs, test_echo_parity, test_pd_parity), sent with their own 
 monolithic vLLM and to tokenline, one pool and P/D, whole and streamed, compared as they compare
 it: text, token IDs, logprob tokens, bytes and values, finish and stop reasons, usage.
 
+Logprob values compare exactly but where vLLM itself does not repeat them to the last bit: a
+request of several sequences (BATCH_TOLERANCE) and P/D (PD_TOLERANCE).
+
 One pool, tokenline's engine is the oracle's own (`smollm2_engine`). P/D runs on a prefill and a
 decode engine of this module's own (NIXL through tokenline's shim, cores 0 and 1, as `tokenline
 generate` runs them), stopped when the module ends; monolithic vLLM is the same oracle.
@@ -11,6 +14,7 @@ generate` runs them), stopped when the module ends; monolithic vLLM is the same 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Iterator
@@ -35,6 +39,12 @@ from tokenline.shared.tokenizer import ModelTokenizer
 
 KINDS = ["chat", "completion"]
 MOVED = ("vllm:prompt_tokens_by_source_total", "external_kv")
+BATCH_TOLERANCE = 1e-4
+"""How far logprob values may be apart when a request puts several sequences into the engine
+at once (`n` > 1, several prompts). vLLM's float32 CPU kernels give a row values that depend on
+the rows stepped with it, and whether the sequences share a step depends on when each reaches
+the engine: monolithic vLLM itself answers a seeded n=2 chat with a last logprob of
+-1.2232296 or -1.2232266 for one choice from one run to the next (-1.2232236 with n=1)."""
 PD_TOLERANCE = 1e-4
 """How far a P/D answer's logprob values may be from monolithic vLLM's (everything else,
 token IDs, text, logprob tokens and bytes, reasons and usage, compares exactly). The decode
@@ -94,7 +104,13 @@ def test_random_requests_answer_as_vllm(
     for _ in range(fuzz.CASES):
         case = _served(make(rng))
         for _attempt in range(fuzz.ATTEMPTS):
-            found = fuzz._check(smollm2_engine.url, smollm2_pipeline.proxy.url, path, case)
+            found = fuzz._check(
+                smollm2_engine.url,
+                smollm2_pipeline.proxy.url,
+                path,
+                case,
+                functools.partial(_close, tolerance=_tolerance(case, 0.0)),
+            )
             if not found:
                 break
         problems += found
@@ -146,7 +162,7 @@ def _parity(
             prepared = {**prepared, "stream": True, "stream_options": {"include_usage": True}}
         expected = answer(parity._call(oracle, kind, prepared, SMOLLM2), kind)
         got = answer(parity._call(ours, kind, prepared, SMOLLM2), kind)
-        assert _close(got, expected, tolerance), (i, prepared, got, expected)
+        assert _close(got, expected, _tolerance(case, tolerance)), (i, prepared, got, expected)
         compared += 1
     assert compared >= len(cases) - 3  # all but stop cases whose answer has no stop string
 
@@ -156,14 +172,14 @@ def _echoes(
 ) -> None:
     """test_echo_parity's cases, with logprob values within `tolerance`."""
     for case in echo.CHAT_ECHO if kind == "chat" else echo.COMPLETION_ECHO:
-        case = {**case, "echo": True}
+        case, within = {**case, "echo": True}, _tolerance(case, tolerance)
         if not stream:
             whole = echo._whole(ours, kind, SMOLLM2, case)
-            assert _close(whole, echo._whole(oracle, kind, SMOLLM2, case), tolerance), case
+            assert _close(whole, echo._whole(oracle, kind, SMOLLM2, case), within), case
             continue
         mine, theirs = (echo._chunks(url, kind, SMOLLM2, case) for url in (ours, oracle))
         got, expected = echo._assembled(mine, kind), echo._assembled(theirs, kind)
-        assert _close(got, expected, tolerance), (case, got, expected)
+        assert _close(got, expected, within), (case, got, expected)
         firsts = echo._firsts(mine, kind)  # each choice's echo first, whole
         assert set(firsts) == set(echo._firsts(theirs, kind))
         for index, text in firsts.items():
@@ -289,6 +305,13 @@ def test_echo_and_prompt_logprobs_through_prefill_and_decode(
     for stream in (False, True):
         _echoes(oracle, ours, smollm2_tok, kind, stream, PD_TOLERANCE)
     _prompt_logprobs(oracle, ours, kind, [0, 5])
+
+
+def _tolerance(case: dict[str, Any], tolerance: float) -> float:
+    """`tolerance`, or BATCH_TOLERANCE for a request of several sequences."""
+    prompt = case.get("prompt")
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+    return max(tolerance, BATCH_TOLERANCE if several or case.get("n", 1) > 1 else 0.0)
 
 
 def _close(got: Any, expected: Any, tolerance: float) -> bool:
