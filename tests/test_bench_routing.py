@@ -241,6 +241,7 @@ def test_the_report_shows_every_row_and_says_what_was_not_measured() -> None:
         for t in ("one replica", "cache-aware")
     ]
     rows[1]["routing"] = {"kv_event_batches": 12.0, "kv_event_lag_seconds": 0.0123}
+    rows[1] |= {"replicas_down": 2, "log": "proxy.log"}
     result = {
         "replicas": 2,
         "cpu_cores": True,
@@ -254,6 +255,9 @@ def test_the_report_shows_every_row_and_says_what_was_not_measured() -> None:
     assert "| 100 / 0 | 2.00x | 0 |" in text
     assert "- gateway not measured: --no-gateway" in text
     assert "- chat: kv_event_batches 12, kv_event_lag_seconds 0.0123" in text
+    assert (
+        "- chat through cache-aware: the proxy took a replica out of the rotation 2 times" in text
+    )
 
 
 def test_tokenline_bench_routing_reaches_this_benchmark() -> None:

@@ -255,8 +255,8 @@ def warm_up_body() -> dict[str, Any]:
     }
 
 
-def front(shared: Shared, target: Target, engines: list[Process]) -> Process:
-    """The target's front end over `engines`, not started."""
+def front(shared: Shared, target: Target, engines: list[Process], name: str) -> Process:
+    """The target's front end over `engines`, not started, logging to `log_file(name)`."""
     urls = [e.url for e in engines]
     if target.routing is None:
         assert shared.gateway is not None
@@ -266,14 +266,12 @@ def front(shared: Shared, target: Target, engines: list[Process]) -> Process:
         argv += ["--disable-retries", "--disable-circuit-breaker"]  # errors must show
         argv += ["--model-path", str(shared.model), "--prometheus-host", "127.0.0.1"]
         argv += ["--prometheus-port", str(free_port()), "--log-level", "warn"]
-        return smg.ReadyProcess(
-            "routing-gateway", argv, port, output=servers.log_file("routing-gateway")
-        )
+        return smg.ReadyProcess(name, argv, port, output=servers.log_file(name))
     args = ["--open", "--render", shared.render.url, "--derender", shared.derender.url]
     args += ["--derender-transport", "batched", "--routing", target.routing, "--decode", *urls]
     if target.routing == "cache-aware":
         args += ["--kv-events-offset", str(KV_EVENTS_OFFSET)]
-    return servers.tokenline("routing-proxy", "proxy", *args)
+    return servers.tokenline(name, "proxy", *args)
 
 
 def reset_caches(engines: Sequence[Process]) -> None:
@@ -340,7 +338,8 @@ def measure(shared: Shared, target: Target, workload: Workload) -> dict[str, Any
     """`workload` through `target`'s own front end, every engine's cache emptied first."""
     engines = shared.engines[:1] if target.one_replica else shared.engines
     names = {e.url: e.name.removeprefix("routing-") for e in shared.engines}
-    proxy = front(shared, target, engines)
+    name = f"routing-{workload.name}-{target.name.replace(' ', '-')}"
+    proxy = front(shared, target, engines, name)
     with up([proxy]):
         for _ in range(2):  # the front end's first requests (connections, render's template)
             status, answer = post(proxy.url + "/v1/chat/completions", warm_up_body())
@@ -358,7 +357,16 @@ def measure(shared: Shared, target: Target, workload: Workload) -> dict[str, Any
     row: dict[str, Any] = {"workload": workload.name, "target": target.name}
     row |= summary(replies, seconds, counts) | {"seconds": seconds, "routing": gauges}
     row["first_errors"] = sorted({r.error for r in replies if r.error is not None})[:3]
+    row["log"] = str(servers.log_file(name))
+    row["replicas_down"] = _lines(servers.log_file(name), "pool.down") if target.routing else 0
     return row
+
+
+def _lines(log: Path, word: str) -> int:
+    """Lines of `log` holding `word` (the proxy's `pool.down`: a replica it took out of the
+    rotation, which sends its requests elsewhere)."""
+    with log.open(errors="replace") as lines:
+        return sum(word in line for line in lines)
 
 
 def plan(args: argparse.Namespace) -> tuple[list[Target], dict[str, str], Path | None]:
@@ -439,6 +447,11 @@ def markdown(result: dict[str, Any]) -> str:
             gauges = ", ".join(f"{k} {_number(v)}" for k, v in sorted(r["routing"].items()))
             lines.append(f"- {r['workload']}: {gauges}")
     for r in result["rows"]:
+        if r.get("replicas_down"):
+            lines.append(
+                f"- {r['workload']} through {r['target']}: the proxy took a replica out of "
+                f"the rotation {r['replicas_down']} times (`pool.down` in {r['log']})"
+            )
         for error in r["first_errors"]:
             lines.append(f"- error, {r['workload']} through {r['target']}: {error}")
     return "\n".join(lines) + "\n"
