@@ -27,4 +27,6 @@ if [ "$#" -gt 0 ]; then
 fi
 seed=${TOKENLINE_TEST_SEED:-$((16#$(git rev-parse --short=7 HEAD 2>/dev/null || echo 0)))}
 .venv/bin/python -m pytest -m "unit or slow" -p random_order --random-order-seed="$seed"
-.venv/bin/python -m pytest -m "fleet or hosts"
+.venv/bin/python -m pytest -m "(fleet or hosts) and not alone"
+# the real model's P/D pair: two more engines, once the fleet's nine have gone
+.venv/bin/python -m pytest -m alone
