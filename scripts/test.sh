@@ -12,8 +12,9 @@
 #
 # With no arguments, the unit and slow tests run first, shuffled (full Hypothesis examples),
 # then the fleet and hosts tests in file order, which the fleet's memory needs: its nine vLLMs
-# stop after their last user, before `tokenline up` starts engines of its own. The shuffle's
-# seed is the commit's, so a run is repeatable and successive commits try other orders: the
+# stop after their last user, before `tokenline up` starts engines of its own; last, the
+# `alone` tests (the real model's P/D pair) in a run of their own. The shuffle's seed is the
+# commit's, so a run is repeatable and successive commits try other orders: the
 # run's header prints it (--random-order-seed=N: give pytest that, with -p random_order, to
 # replay the order); TOKENLINE_TEST_SEED overrides it. With arguments: `pytest ARGS` alone.
 set -euo pipefail
