@@ -19,6 +19,8 @@ from tokenline.launch import servers
 from tokenline.launch.process import Process
 from tokenline.proxy.app import CUT_GRACE
 
+pytestmark = pytest.mark.slow  # a proxy process each, signalled and drained: seconds a test
+
 BODY = {
     "model": "tiny",
     "messages": [{"role": "user", "content": "hi"}],
