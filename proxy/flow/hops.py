@@ -42,6 +42,7 @@ from tokenline.shared.errors import (
     UpstreamError,
     UpstreamFailed,
     UpstreamRejected,
+    UpstreamUnavailable,
 )
 from tokenline.shared.kinds import Kind
 from tokenline.shared.wire import (
@@ -143,8 +144,7 @@ class Hops:
         if not pool.configured:
             return Prefilled(None, None)
         body = JSON.encode(prefill_request(engine_request(gen, kind, False, None)))
-        prompt = pool.prompt(gen)
-        pick = pool.pick(exclude, prompt) if prompt is not None else None
+        pick = _routed_pick(pool, gen, exclude)
 
         async def once(worker: Worker) -> Prefilled:
             uncached = pick.uncached if pick is not None and worker is pick.worker else 0
@@ -226,10 +226,9 @@ class Hops:
         of the prompt but at most `skip_prefill_within` tokens: the prefill leg is skipped
         (counted) and the prompt runs decode-only there."""
         pool = self.pools.decode
-        prompt = pool.prompt(gen) if self.pools.prefill.configured else None
-        if prompt is None:
+        pick = _routed_pick(pool, gen, ()) if self.pools.prefill.configured else None
+        if pick is None:
             return False
-        pick = pool.pick((), prompt)
         self.reserved[engine_id(gen)] = pick
         within = self.skip_prefill_within
         if not within or not pick.cached_blocks or pick.uncached > within:
@@ -308,6 +307,19 @@ class Hops:
         """Give pending aborts a moment to go out (at shutdown)."""
         if self.background:
             await asyncio.wait(list(self.background), timeout=ABORT_GRACE)
+
+
+def _routed_pick(pool: Pool, gen: GenerateRequest, exclude: Sequence[Worker]) -> Pick | None:
+    """A cache-aware pool's replica for `gen`, chosen ahead of the call (None: the pool does
+    not route by prefix, or has no healthy replica now: the call's own choice, and its
+    failure, stay as they were)."""
+    prompt = pool.prompt(gen)
+    if prompt is None:
+        return None
+    try:
+        return pool.pick(exclude, prompt)
+    except UpstreamUnavailable:
+        return None
 
 
 def _own_fault(exc: ServiceError) -> bool:

@@ -10,6 +10,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tokenline.proxy.client.http import Client
+from tokenline.proxy.flow.hops import _routed_pick
 from tokenline.proxy.routing.cache_aware import EventPorts, PrefixRouting, Prompt
 from tokenline.proxy.routing.cache_config import EngineCacheConfig
 from tokenline.proxy.routing.pool import Pool
@@ -197,3 +198,16 @@ def test_the_stats_count_what_was_expected_cached() -> None:
     assert stats.prompt_tokens == 2 * len(tokens)
     assert stats.expected_cached_tokens == 6 * BLOCK
     assert stats.by_replica == {"a": 2 * len(tokens)}
+
+
+def test_a_pool_with_no_healthy_replica_leaves_the_choice_to_the_call() -> None:
+    """The prefill leg picks ahead of its call: with every prefill replica out (its engine
+    died), that pick must not fail the request, which then goes decode-only as before."""
+    pool = routed_pool(("a", "b"))
+    tokens = list(range(4 * BLOCK))
+    assert _routed_pick(pool, gen(tokens), ()) is not None
+    for worker in pool.workers:
+        pool.failed(worker, "gone", certain=True)
+    assert _routed_pick(pool, gen(tokens), ()) is None
+    pool.routing = None
+    assert _routed_pick(pool, gen(tokens), ()) is None  # not cache-aware: the call chooses
