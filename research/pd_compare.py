@@ -43,19 +43,14 @@ from tokenline.launch import servers
 from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post
 from tokenline.launch.models.build import build
+from tokenline.proxy.flow.requests import PREFILL_PARAMS
 from tokenline.services.generate.launcher import GenerateConfig, Role
 
 SERVED = "smollm2"
 BLOCK = 128
 """vLLM's KV block on CPU (`platforms/cpu.py`): the prefix cache keeps whole blocks only."""
-KV_HANDOFF = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+KV_HANDOFF = PREFILL_PARAMS
+"""What vLLM's prefill request carries to hand its KV over (the proxy's own, one source)."""
 Path_ = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 # --------------------------------------------------------------------------- vLLM's own P/D
