@@ -15,6 +15,7 @@ on an address of its own, which the name then resolves to instead of the host.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -215,12 +217,40 @@ class Network:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
+LOCK = Path("/run/lock/tokenline-rehearsal.lock")
+LOCK_WAIT_S = 1800.0  # a whole rehearsal, engines' start-up included, under a busy machine
+
+
+@contextmanager
+def _alone(path: Path = LOCK, wait: float = LOCK_WAIT_S) -> Iterator[None]:
+    """The machine's only rehearsal while held: `Network.up` clears every `tl-` namespace it
+    finds as an interrupted run's leftovers, which would kill a rehearsal still running. A
+    second one waits for the first to end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as lock:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                lock.seek(0)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another rehearsal holds {path}: {lock.read()}") from None
+                time.sleep(1)
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()}\n")
+        lock.flush()
+        yield  # the lock goes with the file's closing
+
+
 @contextmanager
 def network(index: int = 77) -> Iterator[Network]:
     if os.geteuid() != 0:
         raise RuntimeError("the multi-host rehearsal needs root (network namespaces)")
-    net = Network(index).up()
-    try:
-        yield net
-    finally:
-        net.down()
+    with _alone():
+        net = Network(index).up()
+        try:
+            yield net
+        finally:
+            net.down()
