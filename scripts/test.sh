@@ -4,9 +4,9 @@
 #
 # Every test has a kind (tests/conftest.py): unit (no vLLM engine, no network namespace), slow
 # (neither, but seconds each), fleet (real vLLM engines) or hosts (tests/hosts/: namespaces,
-# root). The fast run is the unit tests alone, server-free, in about a minute on this 2-core
-# machine (its Hypothesis tests try at most 10 examples each: `-m unit` loads the `fast`
-# profile):
+# root). The fast run is the unit tests alone, server-free: about 40 s of CPU, 75 s and more
+# of wall time on this 2-core machine while other work loads it (its Hypothesis tests try at
+# most 10 examples each: `-m unit` loads the `fast` profile):
 #
 #   .venv/bin/python -m pytest -m unit
 #
