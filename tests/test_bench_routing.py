@@ -213,9 +213,9 @@ def test_headline_compares_cache_aware_with_one_replica_and_the_gateway() -> Non
     }
     assert "vs_gateway" not in heads["hot"]  # not measured: no ratio, not a made-up one
     assert verdicts(heads) == [
-        "chat: vs_one_replica 0.97x (goal >= 0.95x): met",
-        "chat: vs_gateway 1.30x (goal >= 1.0x): met",
-        "hot: busiest_x_mean 1.60x (goal <= 1.5x): MISSED",
+        "chat: vs_one_replica 0.975x (goal >= 0.95x): met",
+        "chat: vs_gateway 1.300x (goal >= 1.0x): met",
+        "hot: busiest_x_mean 1.600x (goal <= 1.5x): MISSED",
     ]
 
 

@@ -156,7 +156,7 @@ def verdicts(heads: dict[str, dict[str, float]]) -> list[str]:
             met = got[key] <= goal if key == "busiest_x_mean" else got[key] >= goal
             sign = "<=" if key == "busiest_x_mean" else ">="
             word = "met" if met else "MISSED"
-            lines.append(f"{workload}: {key} {got[key]:.2f}x (goal {sign} {goal}x): {word}")
+            lines.append(f"{workload}: {key} {got[key]:.3f}x (goal {sign} {goal}x): {word}")
     return lines
 
 
