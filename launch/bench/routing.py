@@ -1,10 +1,11 @@
 """`tokenline bench routing`: how much of the prefix cache survives spreading a load over
 replicas, by routing policy, and what it costs in balance and latency.
 
-N engines of one model (default 4, tiny) start once, with KV events on (as `tokenline up` runs
-them), and every target drives the same engines in turn, each behind a front end of its own
-started for the measurement; every engine's prefix cache is reset (vLLM's `POST
-/reset_prefix_cache`, a dev-mode route) before each measurement, whose counters are deltas:
+N engines of one model (default 4, tiny) start once, with KV events on (published on every
+interface: see `engine`), and every target drives the same engines in turn, each behind a
+front end of its own started for the measurement; every engine's prefix cache is reset (vLLM's
+`POST /reset_prefix_cache`, a dev-mode route) before each measurement, whose counters are
+deltas:
 
   one replica   tokenline on one engine: the hit rate the workload allows (the reference)
   round-robin   tokenline, `--routing round-robin`
