@@ -38,7 +38,7 @@ class Running:
 
 
 @contextmanager
-def _up(processes: list[Process]) -> Iterator[None]:
+def up(processes: list[Process]) -> Iterator[None]:
     try:
         servers.start_all(processes, START_S)
         yield
@@ -74,7 +74,7 @@ def _proxy(render: Process, derender: Process, generate: Process) -> Process:
 @contextmanager
 def monolithic(model: Path) -> Iterator[list[Running]]:
     mono = servers.oracle("bench-monolithic", model, "tiny")
-    with _up([mono]):
+    with up([mono]):
         target = OpenAITarget("monolithic", mono.url, {"return_token_ids": True})
         yield [Running(target, [], mono)]
 
@@ -93,9 +93,9 @@ def tokenline(
     else:
         engine = servers.oracle("bench-engine", model, "tiny")
     render, derender = _front(model)
-    with _up([engine, render, derender]):
+    with up([engine, render, derender]):
         proxy = _proxy(render, derender, engine)
-        with _up([proxy]):
+        with up([proxy]):
             ours = OpenAITarget("tokenline", proxy.url)
             alone = EngineTarget("engine", engine.url, render_all(render.url, mix), render.url)
             yield [
@@ -108,7 +108,7 @@ def tokenline(
 def gateway(model: Path, executable: Path) -> Iterator[list[Running]]:
     """The gateway in gRPC mode in front of vLLM's gRPC server (the same engine flags)."""
     worker = servers.grpc_engine("bench-gateway-engine", model, "tiny")
-    with _up([worker]):
+    with up([worker]):
         front = smg.gateway("bench-gateway", executable, worker.url, model)
-        with _up([front]):
+        with up([front]):
             yield [Running(OpenAITarget("gateway", front.url), [front], worker)]

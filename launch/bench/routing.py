@@ -50,6 +50,7 @@ from tokenline.launch import servers
 from tokenline.launch.bench import gateway as smg
 from tokenline.launch.bench.conversations import WORKLOADS, Reply, Workload, drive
 from tokenline.launch.bench.http import post
+from tokenline.launch.bench.lineup import up
 from tokenline.launch.bench.metrics import Metrics, scrape, total
 from tokenline.launch.process import Process, free_port, free_port_with
 from tokenline.launch.up import KV_EVENTS_OFFSET
@@ -62,7 +63,6 @@ from tokenline.services.generate.launcher import (
 )
 
 MAX_ENGINES = 5  # tiny engines with their KV cache: what the 24 GB box takes beside the rest
-START_S = 600.0
 RESET_S = 60.0
 SETTLE_S = 0.5  # vLLM's counters follow the last answer by an engine step
 
@@ -214,16 +214,6 @@ def engine(name: str, model: Path, core: int | None) -> Process:
     config = msgspec.structs.replace(config, extra_args=("--kv-events-config", json.dumps(events)))
     env = environment(config) | {"VLLM_SERVER_DEV_MODE": "1"}
     return Process(name, command(config), port, env=env, output=servers.log_file(name))
-
-
-@contextmanager
-def up(processes: list[Process]) -> Iterator[None]:
-    try:
-        servers.start_all(processes, START_S)
-        yield
-    finally:
-        for p in reversed(processes):
-            p.stop()
 
 
 @contextmanager
