@@ -59,6 +59,11 @@ def _json(chunk: Any) -> Any:
     return chunk if isinstance(chunk, msgspec.Raw) else JSON.encode(chunk)
 
 
+def hops_for(request: web.Request, model: str | None) -> Hops:
+    """The hops (pools and clients) that serve `model`."""
+    return request.app[HOPS]
+
+
 def hop_headers(request: web.Request) -> HopHeaders:
     return HopHeaders(
         request_id=request.headers.get("X-Request-Id"),
@@ -84,7 +89,7 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
 async def _admitted(
     request: web.Request, kind: Kind, client: ClientRequest, raw: bytes
 ) -> web.StreamResponse:
-    hops, headers = request.app[HOPS], hop_headers(request)
+    hops, headers = hops_for(request, client.model), hop_headers(request)
     gens = await hops.render(kind, raw, headers)
     if request.app[TOKENS_ONLY] and (name := needs_tokenizer(client, gens)) is not None:
         raise BadRequest(
