@@ -1,0 +1,30 @@
+"""The store's schema, as ordered migrations both databases run at start.
+
+`schema_version` holds the highest migration applied; a store applies the ones above it in one
+transaction, holding a lock (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: an advisory lock) so that
+proxies starting together migrate once. Migrations are only ever appended.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE responses (
+            id TEXT NOT NULL,
+            key_hash TEXT NOT NULL,
+            created_at BIGINT NOT NULL,
+            status TEXT NOT NULL,
+            response TEXT NOT NULL,
+            input_items TEXT NOT NULL,
+            PRIMARY KEY (key_hash, id)
+        )""",
+    ),
+)
+"""Each entry: the statements of one migration (version = its position + 1).
+
+`response` is the Response object as the client saw it (JSON); `input_items` the conversation's
+input items up to and including this response's own input (JSON array), so that a follow-up
+needs this one row: its `input_items`, then its response's `output`, then the new input."""
+
+VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"
+LATEST = len(MIGRATIONS)

@@ -1,0 +1,137 @@
+"""The response store on real databases (SQLite file, PostgreSQL server): what a proxy saves,
+another proxy and a restarted one find; one key never sees another's; a store that is down
+says so."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.proxy.store.conftest import PgServer
+from tokenline.proxy.store import Store, StoredResponse, StoreUnavailable, key_hash, open_store
+from tokenline.proxy.store.schema import LATEST
+
+ALICE, BOB = key_hash("alice-key"), key_hash("bob-key")
+
+
+def record(rid: str = "resp_1", owner: str = ALICE, status: str = "completed") -> StoredResponse:
+    return StoredResponse(
+        id=rid,
+        key_hash=owner,
+        created_at=1_700_000_000,
+        status=status,
+        response=b'{"id":"%s","output":[]}' % rid.encode(),
+        input_items=b'[{"type":"message","role":"user","content":"hi \xc3\xa9"}]',
+    )
+
+
+@asynccontextmanager
+async def opened(url: str) -> AsyncIterator[Store]:
+    store = open_store(url)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def test_saved_response_reads_back_whole(store_url: str) -> None:
+    async with opened(store_url) as store:
+        await store.put(record())
+        assert await store.get(ALICE, "resp_1") == record()
+        assert await store.get(ALICE, "resp_2") is None
+
+
+async def test_put_replaces_same_id(store_url: str) -> None:
+    async with opened(store_url) as store:
+        await store.put(record(status="in_progress"))
+        await store.put(record(status="cancelled"))
+        got = await store.get(ALICE, "resp_1")
+        assert got is not None and got.status == "cancelled"
+
+
+async def test_one_key_cannot_read_or_delete_anothers(store_url: str) -> None:
+    async with opened(store_url) as store:
+        await store.put(record())
+        assert await store.get(BOB, "resp_1") is None
+        assert await store.delete(BOB, "resp_1") is False
+        assert await store.get(ALICE, "resp_1") == record()  # still there
+        assert await store.delete(ALICE, "resp_1") is True
+        assert await store.get(ALICE, "resp_1") is None
+        assert await store.delete(ALICE, "resp_1") is False
+
+
+async def test_two_proxies_share_and_a_restart_keeps(store_url: str) -> None:
+    async with opened(store_url) as one, opened(store_url) as two:
+        await one.put(record("resp_a"))
+        await two.put(record("resp_b"))
+        assert await two.get(ALICE, "resp_a") == record("resp_a")
+        assert await one.get(ALICE, "resp_b") == record("resp_b")
+    async with opened(store_url) as restarted:  # the schema is there: nothing migrates again
+        assert await restarted.get(ALICE, "resp_a") == record("resp_a")
+        assert await restarted.get(ALICE, "resp_b") == record("resp_b")
+
+
+def test_sqlite_schema_version_and_wal(tmp_path: Path) -> None:
+    import asyncio
+
+    path = tmp_path / "r.db"
+
+    async def twice() -> None:
+        for _ in range(2):
+            async with opened(str(path)):
+                pass
+
+    asyncio.run(twice())
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT version FROM schema_version").fetchall() == [(LATEST,)]
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+async def test_sqlite_unwritable_path_is_unavailable(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = open_store(str(blocker / "responses.db"))  # a directory that is a file
+    with pytest.raises(StoreUnavailable, match="response store"):
+        await store.open()
+    with pytest.raises(StoreUnavailable):
+        await store.put(record())
+    await store.close()
+
+
+async def test_postgres_down_is_unavailable_then_recovers(pg_server: PgServer, pg_url: str) -> None:
+    closed = f"postgresql://postgres@127.0.0.1:{_closed_port()}/x"
+    store = open_store(closed)
+    with pytest.raises(StoreUnavailable) as caught:
+        await store.open()
+    assert caught.value.status == 503
+    await store.close()
+    async with opened(pg_url) as store:
+        await store.put(record())
+        assert await store.get(ALICE, "resp_1") == record()
+
+
+async def test_postgres_migrates_once_when_proxies_start_together(pg_url: str) -> None:
+    import asyncio
+
+    stores = [open_store(pg_url) for _ in range(3)]
+    await asyncio.gather(*(s.open() for s in stores))
+    for s in stores:
+        await s.close()
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(pg_url) as conn:
+        cursor = await conn.execute("SELECT version FROM schema_version")
+        assert await cursor.fetchall() == [(LATEST,)]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
