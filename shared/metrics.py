@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -19,11 +20,15 @@ from tokenline.shared.http import Handler
 
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection first
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+UNQUEUED = frozenset({"/metrics", "/health"})
+"""Routes left out of `requests_in_progress`: a scrape would otherwise count itself."""
 
 
 class ServiceMetrics:
-    """Request counts by route and status and a latency histogram, plus whatever a service
-    adds with `counter()`/`histogram()` on the same registry."""
+    """Request counts by route and status, a latency histogram and the requests in progress
+    (a service's queue: waiting for its loop or executor, or being served), plus whatever a
+    service adds with `counter()`/`histogram()` on the same registry."""
 
     def __init__(self, service: str) -> None:
         self.registry = CollectorRegistry()
@@ -39,6 +44,11 @@ class ServiceMetrics:
             "Request latency by route",
             ["route"],
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.in_progress = Gauge(
+            f"{self.prefix}_requests_in_progress",
+            "Requests received and not yet answered (/metrics and /health left out)",
             registry=self.registry,
         )
         self._children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
@@ -63,6 +73,12 @@ class ServiceMetrics:
         """A histogram for a series observed per token, from the event loop only."""
         return LoopHistogram(f"{self.prefix}_{name}", doc, buckets, self.registry)
 
+    def loop_lag(self, interval: float = 0.25) -> LoopLag:
+        """The event loop's lag as `<prefix>_loop_lag_seconds` (add `.ctx` to the app's
+        cleanup contexts to measure it)."""
+        doc = f"How late the event loop wakes a task sleeping {interval} s"
+        return LoopLag(self.loop_histogram("loop_lag_seconds", doc, LAG_BUCKETS), interval)
+
     def middleware(self) -> Any:
         @web.middleware
         async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -70,6 +86,9 @@ class ServiceMetrics:
             name = route.canonical if route is not None else "unmatched"
             start = time.perf_counter()
             status = 500
+            counted = request.path not in UNQUEUED
+            if counted:
+                self.in_progress.inc()
             try:
                 response = await handler(request)
                 status = response.status
@@ -78,6 +97,8 @@ class ServiceMetrics:
                 status = CLIENT_GONE
                 raise
             finally:
+                if counted:
+                    self.in_progress.dec()
                 self.record(name, status, time.perf_counter() - start)
 
         return record
@@ -132,3 +153,28 @@ class LoopHistogram:
             buckets.append((floatToGoString(bound), seen))
         family.add_metric([], buckets, self.sum)
         yield family
+
+
+class LoopLag:
+    """How late the event loop wakes a task that sleeps `interval`: the time a ready callback
+    waits behind the others (a loop busy with CPU work, or blocked). Observed into a
+    `LoopHistogram`, so a window's mean is `rate(_sum) / rate(_count)`; started and stopped by
+    `ctx`, an app's cleanup context."""
+
+    def __init__(self, histogram: LoopHistogram, interval: float = 0.25) -> None:
+        self.histogram = histogram
+        self.interval = interval
+
+    async def ctx(self, app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.watch())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(self.interval)
+            self.histogram.observe(max(0.0, loop.time() - start - self.interval))

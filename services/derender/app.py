@@ -30,6 +30,7 @@ from tokenline.services.derender.derender import (
     derender_stream,
 )
 from tokenline.services.derender.detokenize import detokenize
+from tokenline.services.derender.metrics import DerenderMetrics
 from tokenline.services.derender.plain import plain_answer
 from tokenline.services.derender.texts import token_texts
 from tokenline.shared.errors import (
@@ -49,7 +50,7 @@ from tokenline.shared.frames import (
 )
 from tokenline.shared.http import Handler, json_response, make_base_app, read_json_body
 from tokenline.shared.kinds import KINDS, Kind
-from tokenline.shared.metrics import CLIENT_GONE, ServiceMetrics
+from tokenline.shared.metrics import CLIENT_GONE
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
 from tokenline.shared.wire import (
@@ -109,7 +110,7 @@ class DerenderState:
 
 STATE = web.AppKey("derender_state", DerenderState)
 CONFIG = web.AppKey("derender_config", DerenderConfig)
-METRICS = web.AppKey("derender_metrics", ServiceMetrics)
+METRICS = web.AppKey("derender_metrics", DerenderMetrics)
 
 
 async def state_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -126,8 +127,8 @@ async def state_ctx(app: web.Application) -> AsyncIterator[None]:
         tok,
         settings,
         pool,
-        metrics.counter("chunks", "Stream chunks derendered"),
-        metrics.counter("tokens", "Output tokens derendered"),
+        metrics.chunks,
+        metrics.tokens,
     )
     yield
     pool.shutdown(wait=False, cancel_futures=True)
@@ -444,11 +445,12 @@ async def detokenize_route(request: web.Request) -> web.Response:
 
 
 def make_app(config: DerenderConfig) -> web.Application:
-    metrics = ServiceMetrics("derender")
+    metrics = DerenderMetrics()
     app = make_base_app([metrics.middleware()])
     app[CONFIG], app[METRICS] = config, metrics
     app[SOCKETS] = set()
     app.cleanup_ctx.append(state_ctx)
+    app.cleanup_ctx.append(metrics.loop.ctx)
     app.on_shutdown.append(close_batch_sockets)
     for kind in KINDS.values():
         single, batch = _handlers(kind)

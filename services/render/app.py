@@ -13,10 +13,10 @@ from prometheus_client import Counter
 
 from tokenline.services.render import tokenize, worker
 from tokenline.services.render.config import RenderConfig
+from tokenline.services.render.metrics import RenderMetrics
 from tokenline.services.render.render import RenderSettings
 from tokenline.services.render.tools import ToolFlags
 from tokenline.shared.http import make_base_app, read_json_body
-from tokenline.shared.metrics import ServiceMetrics
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
 
@@ -44,7 +44,7 @@ class RenderState:
 
 
 STATE = web.AppKey("render_state", RenderState)
-METRICS = web.AppKey("render_metrics", ServiceMetrics)
+METRICS = web.AppKey("render_metrics", RenderMetrics)
 CONFIG = web.AppKey("render_config", RenderConfig)
 PROMPT_TOKENS = web.AppKey("render_prompt_tokens", Counter)
 
@@ -134,12 +134,13 @@ async def tokenize_route(request: web.Request) -> web.Response:
 
 
 def make_app(config: RenderConfig) -> web.Application:
-    metrics = ServiceMetrics("render")
+    metrics = RenderMetrics()
     app = make_base_app([metrics.middleware()])
     app[CONFIG] = config
     app[METRICS] = metrics
-    app[PROMPT_TOKENS] = metrics.counter("prompt_tokens", "Prompt tokens rendered")
+    app[PROMPT_TOKENS] = metrics.prompt_tokens
     app.cleanup_ctx.append(executor_ctx)
+    app.cleanup_ctx.append(metrics.loop.ctx)
     app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/v1/completions/render", completion_render)
     app.router.add_post("/tokenize", tokenize_route)

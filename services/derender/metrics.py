@@ -1,0 +1,15 @@
+"""The derender service's metrics: what it scales on is the stream chunks it derenders per
+second (`chunks_total`'s rate, per replica) and its event loop's lag (a replica whose loop wakes
+late delays every stream it serves)."""
+
+from __future__ import annotations
+
+from tokenline.shared.metrics import ServiceMetrics
+
+
+class DerenderMetrics(ServiceMetrics):
+    def __init__(self) -> None:
+        super().__init__("derender")
+        self.chunks = self.counter("chunks", "Stream chunks derendered")
+        self.tokens = self.counter("tokens", "Output tokens derendered")
+        self.loop = self.loop_lag()
