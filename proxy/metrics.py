@@ -3,8 +3,9 @@ prometheus_client directly)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import Gauge
@@ -94,6 +95,13 @@ class ProxyMetrics(ServiceMetrics):
         self.migrations = self.counter(
             "migrations", "Streams continued on another decode replica after theirs failed"
         )
+        self.prompt_tokens_in_flight = Gauge(
+            f"{self.prefix}_prompt_tokens_in_flight",
+            "Prompt tokens of the prefill calls in flight on each replica (sent, not yet "
+            "answered): the prompt work waiting for or in its engine",
+            ["pool", "replica"],
+            registry=self.registry,
+        )
 
     async def timed(self, hop: str, call: Awaitable[T], start: float | None = None) -> T:
         """`call`, its latency observed under `hop` (from `start`, a `time.perf_counter()`,
@@ -108,6 +116,16 @@ class ProxyMetrics(ServiceMetrics):
     def hop_seconds(self, hop: str, seconds: float) -> None:
         """One call's latency on `hop`, timed by its caller (a call made from callbacks)."""
         self._hop(hop).observe(seconds)
+
+    @contextlib.contextmanager
+    def prompt_in_flight(self, pool: str, replica: str, tokens: int) -> Iterator[None]:
+        """`tokens` prompt tokens in flight on `replica` of `pool` for the block."""
+        gauge = self.prompt_tokens_in_flight.labels(pool, replica)
+        gauge.inc(tokens)
+        try:
+            yield
+        finally:
+            gauge.dec(tokens)
 
     def _hop(self, hop: str) -> Any:
         """`hop_latency`'s series for `hop` (looked up once: `labels` costs ~1.5 us a call)."""

@@ -148,16 +148,17 @@ class Hops:
 
         async def once(worker: Worker) -> Prefilled:
             uncached = pick.uncached if pick is not None and worker is pick.worker else 0
-            data = await post(
-                self.client,
-                pool,
-                worker,
-                GENERATE_PATH,
-                body,
-                headers.generate(gen),
-                self.timeouts.pure,
-                uncached,
-            )
+            with self.metrics.prompt_in_flight(pool.role, worker.url, len(gen.token_ids)):
+                data = await post(
+                    self.client,
+                    pool,
+                    worker,
+                    GENERATE_PATH,
+                    body,
+                    headers.generate(gen),
+                    self.timeouts.pure,
+                    uncached,
+                )
             answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
             if answer.kv_transfer_params is None:
                 raise UpstreamError(
