@@ -4,14 +4,22 @@ The one place where chunks become Server-Sent Events (`EventStream`): errors bef
 byte are HTTP errors (the error middleware), after it they go in-band as an error event, and
 every stream ends with `[DONE]`. Leaving early (the client went away) cancels the handler and
 with it the stream's prompts, which aborts their engine requests.
+
+The seam other APIs build on (`/v1/messages`, `/v1/responses`): they convert their request into
+a chat request and run it here, with admission, limits, isolation, migration and routing as
+chat has them. `answer_whole` gives the whole chat answer; `answer_stream` hands the chat
+chunks to a sink, usually an `EventStream` whose `Framing` turns them into that API's events.
+Either may render at that API's own render route (`render=`, e.g. vLLM's
+`/v1/messages/render`), where the chat template lives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Iterator
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -27,8 +35,8 @@ from tokenline.proxy.flow.requests import (
     constraint_field,
     needs_tokenizer,
 )
-from tokenline.proxy.flow.stream import Streaming, whole
-from tokenline.shared.errors import BadRequest, UpstreamRejected, as_service_error
+from tokenline.proxy.flow.stream import Out, Streaming, whole
+from tokenline.shared.errors import BadRequest, ServiceError, UpstreamRejected, as_service_error
 from tokenline.shared.http import read_json_body
 from tokenline.shared.kinds import CHAT, COMPLETION, Kind
 from tokenline.shared.wire import JSON
@@ -89,27 +97,108 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
 async def _admitted(
     request: web.Request, kind: Kind, client: ClientRequest, raw: bytes
 ) -> web.StreamResponse:
+    if not client.stream:
+        answer = await answer_whole(request, kind, client, raw)
+        return web.Response(body=JSON.encode(answer), content_type="application/json")
+    out = EventStream(request)
+    return await out.serve(answer_stream(request, kind, client, raw, out))
+
+
+RenderCall = tuple[Kind, bytes]
+"""Render at this kind's render route with this body, instead of the client request's own:
+another API's request (vLLM's `/v1/messages/render` builds the same chat prompt from it)."""
+
+
+async def answer_whole(
+    request: web.Request,
+    kind: Kind,
+    client: ClientRequest,
+    raw: bytes,
+    render: RenderCall | None = None,
+) -> Any:
+    """The whole answer to `client` (`raw` its JSON): render, generate (behind prefill), derender.
+    The caller holds an admission slot (`ADMISSION`); failures raise `ServiceError`."""
+    hops, headers, rendered = await _rendered(request, kind, client, raw, render)
+    with _constraint_named(client):
+        return await whole(hops, kind, client, raw, rendered, headers)
+
+
+async def answer_stream(
+    request: web.Request,
+    kind: Kind,
+    client: ClientRequest,
+    raw: bytes,
+    out: Out,
+    render: RenderCall | None = None,
+) -> None:
+    """`client`'s stream (`raw` its JSON): every chunk the client should see handed to `out`
+    (an `EventStream`, with the API's `Framing`). The caller holds an admission slot; a failure
+    raises `ServiceError` (before `out`'s first write, an HTTP error still)."""
+    hops, headers, rendered = await _rendered(request, kind, client, raw, render)
+    with _constraint_named(client):
+        await Streaming(hops, StreamFlow(kind, client, rendered), headers, out).run()
+
+
+async def _rendered(
+    request: web.Request,
+    kind: Kind,
+    client: ClientRequest,
+    raw: bytes,
+    render: RenderCall | None,
+) -> tuple[Hops, HopHeaders, Rendered]:
     hops, headers = hops_for(request, client.model), hop_headers(request)
-    gens = await hops.render(kind, raw, headers)
+    gens = await hops.render(*(render or (kind, raw)), headers)
     if request.app[TOKENS_ONLY] and (name := needs_tokenizer(client, gens)) is not None:
         raise BadRequest(
             f"`{name}` needs a generate engine with a tokenizer, and this deployment runs its "
             "engines with --tokens-only.",
             param=name,
         )
-    rendered = Rendered.of(gens, uuid.uuid4().hex)
+    return hops, headers, Rendered.of(gens, uuid.uuid4().hex)
+
+
+@contextlib.contextmanager
+def _constraint_named(client: ClientRequest) -> Iterator[None]:
     try:
-        if not client.stream:
-            answer = await whole(hops, kind, client, raw, rendered, headers)
-            return web.Response(body=JSON.encode(answer), content_type="application/json")
-        out = EventStream(request)
-        streaming = Streaming(hops, StreamFlow(kind, client, rendered), headers, out)
-        return await out.serve(streaming.run())
+        yield
     except UpstreamRejected as exc:
         # generate refused the constraint (a schema, regex or grammar its backend rejects)
         if exc.param is None and exc.status == 400:
             exc.param = constraint_field(client)
         raise
+
+
+class Framing(Protocol):
+    """How a stream's chunks reach the client as bytes (`EventStream`): chat's and
+    completions' SSE with `[DONE]` (`SSE`), or another API's events."""
+
+    def events(self, chunks: list[Any]) -> bytes:
+        """The bytes for `chunks` (maybe none yet)."""
+        ...
+
+    def end(self) -> bytes:
+        """The last bytes of a stream that ended well."""
+        ...
+
+    def failed(self, exc: ServiceError) -> bytes:
+        """The last bytes of a stream that failed after its first byte."""
+        ...
+
+
+class ChatSse:
+    """Chat's and completions' framing: `data: <chunk>` events, `[DONE]` last."""
+
+    def events(self, chunks: list[Any]) -> bytes:
+        return events(chunks)
+
+    def end(self) -> bytes:
+        return DONE
+
+    def failed(self, exc: ServiceError) -> bytes:
+        return sse(JSON.encode(exc.to_wire())) + DONE
+
+
+SSE = ChatSse()
 
 
 class EventStream:
@@ -119,8 +208,9 @@ class EventStream:
     middleware); after it the error goes in-band as an event. `[DONE]` ends every stream that
     started."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, framing: Framing = SSE) -> None:
         self.request = request
+        self.framing = framing
         self.response: web.StreamResponse | None = None
         self.starting = asyncio.Lock()  # a request's prompts may send their first chunks at once
         self.sent = False
@@ -133,7 +223,8 @@ class EventStream:
 
     async def send(self, chunks: list[Any]) -> None:
         response = self.response or await self._start()
-        await response.write(events(chunks))
+        if data := self.framing.events(chunks):
+            await response.write(data)
         self.sent = True
 
     def open(self) -> bool:
@@ -159,7 +250,9 @@ class EventStream:
         transport, protocol = self.transport, self.protocol
         if transport is None or protocol is None or transport.is_closing():
             return False
-        data = events(chunks)
+        data = self.framing.events(chunks)
+        if not data:  # an empty chunk would end a chunked body
+            return not protocol.writing_paused
         transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         return not protocol.writing_paused
 
@@ -170,10 +263,10 @@ class EventStream:
             if self.response is None:
                 raise
             # after the first byte, any failure ends the stream in-band
-            await self.response.write_eof(sse(JSON.encode(as_service_error(exc).to_wire())) + DONE)
+            await self.response.write_eof(self.framing.failed(as_service_error(exc)))
             return self.response
         response = self.response or await self._start()
-        await response.write_eof(DONE)  # `[DONE]` and the body's end in one write
+        await response.write_eof(self.framing.end())  # the last event and the end in one write
         return response
 
     async def _start(self) -> web.StreamResponse:
