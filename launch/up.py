@@ -18,6 +18,7 @@ import argparse
 import ipaddress
 import os
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ from tokenline.launch.process import (
     Process,
     ProcessExited,
     free_port,
-    free_port_with,
     say,
     wait_all,
 )
@@ -110,8 +110,9 @@ CLI = CommandLine(UpConfig)
 
 
 KV_EVENTS_OFFSET = 1000
-"""Each engine publishes its KV events this many ports above its HTTP port (and replays them
-one above that); the proxy subscribes by the same offset (`--kv-events-offset`)."""
+"""Engines that publish their KV events over TCP (`tokenline bench routing`) do so this many
+ports above their HTTP port (and replay them one above that); the proxy subscribes by the same
+offset (`--kv-events-offset`). `up`'s engines publish on unix sockets instead (`plan`)."""
 
 ENGINE_STUCK = ("zmq.error.ZMQError: Address already in use",)
 """vLLM output after which it never becomes healthy: 0.32's NIXL handshake listener dies on a
@@ -132,19 +133,18 @@ def _roles(up: UpConfig) -> list[tuple[str, Role]]:
     return [*prefill, *((f"generate-decode-{i}", "decode") for i in range(up.decode))]
 
 
-def _engines(up: UpConfig, model: Path, served: str) -> list[Process]:
+def _engines(up: UpConfig, model: Path, served: str, events: Path | None) -> list[Process]:
     """The generate engines; P/D ones pinned to cores in turn (a prefill holding KV
     busy-steps and starves a peer on its core)."""
     cores = os.cpu_count() or 1
     engines = []
     for k, (name, role) in enumerate(_roles(up)):
-        port = free_port_with(KV_EVENTS_OFFSET, KV_EVENTS_OFFSET + 1)
         config = GenerateConfig(
             model=str(model),
             role=role,
             tokens_only=up.tokens_only,
-            port=port,
-            kv_events_port=port + KV_EVENTS_OFFSET,
+            port=free_port(),
+            kv_events_ipc=None if events is None else str(events),
             served_model_name=served,
             max_model_len=up.max_model_len,
             cpu_cores=str(k % cores) if up.pd else None,
@@ -179,11 +179,17 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process]:
-    """The backend services (engines first) and the proxy in front of them."""
+def plan(
+    up: UpConfig, model: Path, served: str, events: Path | None = None
+) -> tuple[list[Process], Process]:
+    """The backend services (engines first) and the proxy in front of them. With `events`, a
+    directory only this user can enter, the engines publish their KV events on unix sockets
+    there and the proxy follows them: vLLM 0.32 binds a TCP publisher only on every interface
+    (to a named host it connects out, as the proxy does, and nothing flows), and the events
+    carry every prompt's token IDs."""
     common = ["--model", str(model), "--served-model-name", served]
     common += ["--max-model-len", str(up.max_model_len)]
-    backends = _engines(up, model, served)
+    backends = _engines(up, model, served, events)
     for kind, count in (("render", up.render), ("derender", up.derender)):
         for i in range(count):
             port = free_port()
@@ -197,7 +203,8 @@ def plan(up: UpConfig, model: Path, served: str) -> tuple[list[Process], Process
     argv += ["--drain-timeout", str(up.drain_timeout)]
     argv += ["--render", *urls("render"), "--derender", *urls("derender")]
     argv += ["--derender-transport", "batched"]  # its derenders are tokenline's own
-    argv += ["--kv-events-offset", str(KV_EVENTS_OFFSET)]
+    if events is not None:
+        argv += ["--kv-events-ipc", str(events)]
     if up.tokens_only:
         argv.append("--generate-tokens-only")
     if up.pd:
@@ -287,7 +294,12 @@ def _supervise(everything: list[Process], stopping: threading.Event) -> int:
 def run_up(up: UpConfig) -> int:
     _proxy_access(up)  # refuse an open proxy on a public address before building anything
     model, served = _model(up)
-    backends, proxy = plan(up, model, served)
+    with tempfile.TemporaryDirectory(prefix="tokenline-kv-") as events:  # mode 0700
+        backends, proxy = plan(up, model, served, Path(events))
+        return _run(up, served, backends, proxy)
+
+
+def _run(up: UpConfig, served: str, backends: list[Process], proxy: Process) -> int:
     everything = [*backends, proxy]
     stopping, starting = threading.Event(), threading.Event()
     starting.set()

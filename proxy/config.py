@@ -95,6 +95,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds generate may take to start answering (a whole answer: to finish it)."""
     stream_idle_timeout: Seconds = 120.0
     """Seconds a generate stream may stay silent between chunks before it counts as hung."""
+    kv_events_ipc: str | None = None
+    """Instead of `kv_events_offset`: the generate engines run on this machine and publish
+    their KV events on unix sockets in this directory, named by their HTTP port (`<port>`,
+    replayed from `<port>.replay`; `tokenline up`, `tokenline generate --kv-events-ipc`)."""
     drain_timeout: Seconds = 30.0
     """Seconds requests in flight get to finish after SIGTERM (new ones get 503 meanwhile);
     then the rest are cut and aborted upstream."""

@@ -4,6 +4,7 @@ process behind; and its supervision: whatever dies is restarted while the rest k
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -24,6 +25,8 @@ import pytest
 from tokenline.launch.process import Process, free_port
 from tokenline.launch.servers import REPO, VENV_BIN, log_file
 from tokenline.launch.up import UpConfig, backoff, plan
+from tokenline.proxy import config as proxy_config
+from tokenline.proxy.routing.cache_aware import EventPorts
 
 
 def _sessions_alive(sids: set[int]) -> list[int]:
@@ -309,6 +312,25 @@ def test_up_plans_n_replicas_of_each_generate_pool() -> None:
     assert len(ports) == 5, "each engine its own NIXL side channel"
     _, single = _plan(no_pd=True, decode=2)
     assert "--prefill" not in single.argv and len(_after(single.argv, "--decode")) == 2
+
+
+def test_up_engines_publish_kv_events_where_its_proxy_subscribes(tmp_path: Path) -> None:
+    """vLLM binds (rather than connects) its publisher at an ipc path: nothing on a network
+    interface, and the proxy finds each engine's sockets by its HTTP port."""
+    backends, proxy = plan(UpConfig(vllm_bin="vllm", decode=2), Path("/m"), "m", tmp_path)
+    parser = argparse.ArgumentParser()
+    proxy_config.add_arguments(parser, env={})
+    config = proxy_config.from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1 :]))
+    events = EventPorts.of(config.kv_events_offset, config.kv_events_ipc)
+    assert events is not None
+    engines = [b for b in backends if b.name.startswith("generate-")]
+    assert len(engines) == 3
+    for engine in engines:
+        published = json.loads(_after(engine.argv, "--kv-events-config")[0])
+        where = (published["endpoint"], published["replay_endpoint"])
+        assert where == events.endpoints(engine.url)
+        assert where[0] == f"ipc://{tmp_path}/{engine.port}"
+    assert "--kv-events-config" not in " ".join(_plan()[0][0].argv), "no directory, no events"
 
 
 def test_up_tokens_only_runs_engines_and_proxy_without_a_tokenizer() -> None:

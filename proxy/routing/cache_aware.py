@@ -64,17 +64,33 @@ class Pick:
 
 @dataclass(frozen=True)
 class EventPorts:
-    """Where a replica's engine publishes its KV events: its HTTP port plus `offset` (and the
-    replay socket one above), on the replica's host."""
+    """Where a replica's engine publishes its KV events (and replays them), both bound by the
+    engine: over TCP, on the replica's host at its HTTP port plus `offset` (replay one above);
+    or on unix sockets in the directory `ipc`, named by its HTTP port (`<port>`,
+    `<port>.replay`), for engines on this machine (vLLM binds a TCP publisher only on every
+    interface)."""
 
-    offset: int
+    offset: int | None = None
+    ipc: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.offset is None) == (self.ipc is None):
+            raise ValueError("KV events come from a port offset or an ipc directory: one")
+
+    @classmethod
+    def of(cls, offset: int | None, ipc: str | None) -> EventPorts | None:
+        """The proxy's `--kv-events-offset` / `--kv-events-ipc` (None: neither given)."""
+        return None if offset is None and ipc is None else cls(offset, ipc)
 
     def endpoints(self, url: str) -> tuple[str, str]:
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if self.ipc is not None:
+            return f"ipc://{self.ipc}/{port}", f"ipc://{self.ipc}/{port}.replay"
+        assert self.offset is not None
         host = f"[{host}]" if ":" in host else host
-        port = (parts.port or (443 if parts.scheme == "https" else 80)) + self.offset
-        return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+        return f"tcp://{host}:{port + self.offset}", f"tcp://{host}:{port + self.offset + 1}"
 
 
 @dataclass

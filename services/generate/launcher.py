@@ -68,9 +68,15 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     nixl_port: Port | None = None
     """NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT)."""
     kv_events_port: Port | None = None
-    """Publish vLLM's KV cache events (`--kv-events-config`, ZMQ) on this port of `host`, and
-    replay them from the next one: the proxy follows what the engine caches
-    (its `--kv-events-offset` is this port minus `port`)."""
+    """Publish vLLM's KV cache events (`--kv-events-config`, ZMQ) on this port of every
+    interface, and replay them from the next one (on `host`): the proxy follows what the engine
+    caches (its `--kv-events-offset` is this port minus `port`). vLLM 0.32 binds a TCP
+    publisher only on every interface (`tcp://*`; to any named host it connects out), and the
+    events carry prompts' token IDs: on one machine, prefer `kv_events_ipc`."""
+    kv_events_ipc: str | None = None
+    """Publish vLLM's KV cache events on unix sockets in this directory instead, reachable from
+    this machine only (as the directory's permissions allow): `<port>` and `<port>.replay`,
+    after the HTTP port (the proxy's `--kv-events-ipc` reads the same names)."""
     kv_buffer_device: str = "cpu"
     """Where NIXL stages KV: cpu here, cuda on GPUs."""
     vllm_bin: str | None = None
@@ -94,6 +100,8 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 ENGINE_CORE = "VLLM::EngineCor"
 """vLLM's engine process title, as the kernel keeps it (15 characters)."""
+        if self.kv_events_port is not None and self.kv_events_ipc is not None:
+            raise ValueError("KV events go to a port or an ipc directory, not both")
 
 
 def bound_cores(mask: str | None) -> frozenset[int] | None:
@@ -165,7 +173,12 @@ def kv_transfer_config(config: GenerateConfig) -> str | None:
     )
 
 
-def kv_events_config(config: GenerateConfig) -> str | None:
+def kv_events_endpoints(config: GenerateConfig) -> tuple[str, str] | None:
+    """Where the engine publishes its KV events and replays them, both bound by vLLM (which
+    binds a publisher only at `*`, `::` or an ipc path, and any replay endpoint)."""
+    if config.kv_events_ipc is not None:
+        where = f"ipc://{config.kv_events_ipc}/{config.port}"
+        return where, f"{where}.replay"
     if config.kv_events_port is None:
         return None
     host = "*" if config.host in ("0.0.0.0", "::", "") else config.host
@@ -175,8 +188,15 @@ def kv_events_config(config: GenerateConfig) -> str | None:
         {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://{host}:{port}",
-            "replay_endpoint": f"tcp://{host}:{port + 1}",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+    return f"tcp://*:{port}", f"tcp://{host}:{port + 1}"
+
+
+def kv_events_config(config: GenerateConfig) -> str | None:
+    if (endpoints := kv_events_endpoints(config)) is None:
+        return None
+    endpoint, replay = endpoints
             "topic": "",
         }
     )

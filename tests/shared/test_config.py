@@ -213,7 +213,7 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "--generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
-    "--routing --kv-events-offset --prefix-hash-seed --skip-prefill-within "
+    "--routing --kv-events-offset --kv-events-ipc --prefix-hash-seed --skip-prefill-within "
     "--health-interval --max-in-flight --max-queued "
     "--max-body-bytes --connect-timeout "
     "--hop-timeout --first-token-timeout --stream-idle-timeout --drain-timeout",

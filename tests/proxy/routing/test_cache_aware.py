@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -110,6 +111,15 @@ def test_event_ports_follow_each_replica() -> None:
     ports = EventPorts(1000)
     assert ports.endpoints("http://10.0.0.7:8200") == ("tcp://10.0.0.7:9200", "tcp://10.0.0.7:9201")
     assert ports.endpoints("http://[::1]:8200")[0] == "tcp://[::1]:9200"
+    local = EventPorts.of(None, "/run/kv")
+    assert local is not None
+    assert local.endpoints("http://127.0.0.1:8200") == (
+        "ipc:///run/kv/8200",
+        "ipc:///run/kv/8200.replay",
+    )
+    assert EventPorts.of(None, None) is None
+    with pytest.raises(ValueError, match="one"):
+        EventPorts(1000, "/run/kv")
 
 
 @asynccontextmanager

@@ -1,10 +1,10 @@
-"""The proxy's block hashes against a real vLLM engine: one engine of this module's own, with
-prefix caching, KV events (ipc sockets) and a pinned PYTHONHASHSEED."""
+"""The proxy's block hashes against a real vLLM engine: one engine of this module's own,
+started as `tokenline up` starts it (KV events on unix sockets), with a pinned PYTHONHASHSEED."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
 import random
 import urllib.request
 import uuid
@@ -17,7 +17,10 @@ import zmq
 from tokenline.launch import servers
 from tokenline.launch.bench.http import post
 from tokenline.launch.process import Process
+from tokenline.launch.up import UpConfig, plan
+from tokenline.proxy import config as proxy_config
 from tokenline.proxy.routing.blocks import BlockIndex
+from tokenline.proxy.routing.cache_aware import EventPorts
 from tokenline.proxy.routing.cache_config import EngineCacheConfig, parse_cache_config
 from tokenline.proxy.routing.kv_events import BATCH, BlockStored, KvEventSubscriber
 from tokenline.proxy.routing.prefix import BlockHasher
@@ -28,10 +31,21 @@ BLOCK = 128  # vLLM's block size on CPU
 
 
 class Engine:
-    def __init__(self, process: Process, sockets: Path) -> None:
+    """The engine, and where the proxy `up` starts beside it subscribes to its events."""
+
+    def __init__(self, process: Process, events: EventPorts) -> None:
         self.process = process
-        self.pub = f"ipc://{sockets}/pub"
-        self.replay = f"ipc://{sockets}/replay"
+        self.pub, self.replay = events.endpoints(process.url)
+
+
+def proxy_events(argv: list[str]) -> EventPorts:
+    """The KV-event sources of the proxy started with `argv`, read by its own parser."""
+    parser = argparse.ArgumentParser()
+    proxy_config.add_arguments(parser, env={})
+    config = proxy_config.from_args(parser.parse_args(argv[argv.index("proxy") + 1 :]))
+    events = EventPorts.of(config.kv_events_offset, config.kv_events_ipc)
+    assert events is not None, "up starts a proxy that follows no KV events"
+    return events
 
 
 @pytest.fixture(scope="module")
@@ -39,27 +53,15 @@ def engine(
     starts_vllm: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     sockets = tmp_path_factory.mktemp("kv")
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"ipc://{sockets}/pub",  # ipc: vLLM binds it, on no network interface
-        "replay_endpoint": f"ipc://{sockets}/replay",
-        "topic": "kv",
-    }
-    process = servers.oracle(
-        "vllm-kv-events-tiny",
-        tiny_model,
-        "tiny",
-        "--enable-prefix-caching",
-        "--kv-events-config",
-        json.dumps(config),
-    )
+    backends, proxy = plan(UpConfig(no_pd=True), tiny_model, "tiny", sockets)
+    (process,) = (p for p in backends if p.name.startswith("generate"))
     assert process.env is not None
     process.env = {**process.env, "PYTHONHASHSEED": SEED}
+    process.output = servers.log_file("vllm-kv-events-tiny")
     process.start()
     try:
         process.wait_healthy(600)
-        yield Engine(process, sockets)
+        yield Engine(process, proxy_events(proxy.argv))
     finally:
         process.stop()
 
@@ -95,7 +97,7 @@ def stored_events(sub: zmq.Socket[bytes], engine: Engine, ids: list[int]) -> lis
 def joined_sub(engine: Engine) -> zmq.Socket[bytes]:
     """A SUB socket that has received a message: a PUB drops what it sends before then."""
     sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(engine.pub)
     for _ in range(30):
         generate(engine, prompt(1))
@@ -135,9 +137,7 @@ def test_published_hashes_are_ours(engine: Engine, salt: str | None) -> None:
 async def test_subscriber_keeps_the_index(engine: Engine) -> None:
     hasher = BlockHasher(BLOCK, "sha256", seed=SEED)
     index = BlockIndex()
-    subscriber = KvEventSubscriber(
-        index, engine.pub, replay_endpoint=engine.replay, topic="kv", hasher=hasher
-    )
+    subscriber = KvEventSubscriber(index, engine.pub, replay_endpoint=engine.replay, hasher=hasher)
     before = prompt(2)
     await asyncio.to_thread(generate, engine, before, "b")  # published before anyone listens
     await subscriber.start()

@@ -21,6 +21,7 @@ from tokenline.services.generate.launcher import (
     GenerateConfig,
     command,
     environment,
+    kv_events_config,
     kv_transfer_config,
 )
 
@@ -45,6 +46,24 @@ def test_roles_get_their_connector_settings() -> None:
     assert "VLLM_CPU_KVCACHE_SPACE" not in environment(prefill, {"VLLM_CPU_KVCACHE_SPACE": "4"})
     decode = GenerateConfig(model="m", role="decode")
     assert json.loads(kv_transfer_config(decode) or "{}")["kv_role"] == "kv_consumer"
+
+
+def test_kv_events_are_published_where_vllm_binds() -> None:
+    """vLLM 0.32 binds a publisher only at `*`, `::` or an ipc path and connects to any other
+    address (where a subscriber connecting too would never meet it)."""
+    assert kv_events_config(GenerateConfig(model="m")) is None
+    local = json.loads(
+        kv_events_config(GenerateConfig(model="m", port=8200, kv_events_ipc="/r")) or "{}"
+    )
+    assert (local["endpoint"], local["replay_endpoint"]) == (
+        "ipc:///r/8200",
+        "ipc:///r/8200.replay",
+    )
+    assert local["enable_kv_cache_events"] and local["publisher"] == "zmq"
+    tcp = json.loads(kv_events_config(GenerateConfig(model="m", kv_events_port=9200)) or "{}")
+    assert (tcp["endpoint"], tcp["replay_endpoint"]) == ("tcp://*:9200", "tcp://127.0.0.1:9201")
+    with pytest.raises(ValueError, match="not both"):
+        GenerateConfig(model="m", kv_events_port=9200, kv_events_ipc="/r")
 
 
 def test_one_builder_for_every_vllm() -> None:
