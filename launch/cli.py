@@ -111,6 +111,26 @@ def _make_model(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _make_lora(args: argparse.Namespace, extra: list[str]) -> int:
+    from tokenline.launch.models.lora import AdapterError, make_lora
+
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    try:
+        out = make_lora(
+            Path(args.base),
+            Path(args.out),
+            rank=args.rank,
+            alpha=args.alpha,
+            seed=args.seed,
+            scale=args.scale,
+            targets=targets,
+        )
+    except AdapterError as exc:
+        raise SystemExit(f"make-lora: {exc}") from exc
+    print(out)
+    return 0
+
+
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     if extra[:1] == ["routing"]:
         from tokenline.launch.bench.routing import main as routing
@@ -165,7 +185,30 @@ def parser() -> argparse.ArgumentParser:
     mk.add_argument("name", choices=MODELS)
     mk.add_argument("dir")
     mk.set_defaults(fn=_make_model)
+    _add_make_lora(sub)
     return top
+
+
+def _add_make_lora(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from tokenline.launch.models import lora
+
+    mk = sub.add_parser(
+        "make-lora",
+        help="write a seeded random LoRA adapter (PEFT layout, as vLLM loads it) for a model",
+    )
+    mk.add_argument("base", metavar="BASE_DIR", help="the base model's directory")
+    mk.add_argument("out", metavar="OUT_DIR")
+    mk.add_argument("--rank", type=int, default=lora.DEFAULT_RANK)
+    mk.add_argument("--alpha", type=int, default=lora.DEFAULT_ALPHA)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument(
+        "--scale",
+        type=float,
+        default=lora.DEFAULT_SCALE,
+        help="RMS of the update's output for an input of RMS 1 (0: changes nothing)",
+    )
+    mk.add_argument("--targets", default=",".join(lora.ATTENTION), help="comma-separated")
+    mk.set_defaults(fn=_make_lora)
 
 
 def child_argv(*args: str) -> list[str]:

@@ -28,6 +28,7 @@ from hypothesis import settings
 from tests.engine_guard import Guard
 from tokenline.launch import servers
 from tokenline.launch.models.build import build
+from tokenline.launch.models.lora import make_lora
 from tokenline.launch.process import Process, start_all
 from tokenline.shared.tokenizer import ModelTokenizer
 
@@ -114,6 +115,20 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_model() -> Path:
     return build("tiny-qwen3", MODEL_CACHE / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_loras(tiny_model: Path) -> tuple[Path, Path]:
+    """Two LoRA adapters on the tiny model (seeds 1 and 2, rank 8, attention projections):
+    each changes the greedy output, and not in the same way."""
+    a1, a2 = (make_lora(tiny_model, MODEL_CACHE / f"tiny-lora-{s}", seed=s) for s in (1, 2))
+    return a1, a2
+
+
+@pytest.fixture(scope="session")
+def qwen3_lora(qwen3_model: Path) -> Path:
+    """A LoRA adapter on the tiny-qwen3 model (seed 1, rank 8, attention projections)."""
+    return make_lora(qwen3_model, MODEL_CACHE / "tiny-qwen3-lora-1", seed=1)
 
 
 @pytest.fixture(scope="session")
