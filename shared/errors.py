@@ -76,6 +76,10 @@ class Unauthorized(ServiceError):
     status, kind = 401, "AuthenticationError"
 
 
+class Forbidden(ServiceError):
+    status, kind = 403, "PermissionDeniedError"
+
+
 class NotFound(ServiceError):
     status, kind = 404, "NotFoundError"
 

@@ -31,7 +31,7 @@ from tokenline.proxy.routing.cache_config import (
 )
 from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser
 from tokenline.proxy.routing.kv_events import KvEventSubscriber
-from tokenline.proxy.routing.prefix import BlockHasher
+from tokenline.proxy.routing.prefix import BlockHasher, LoraKey
 
 if TYPE_CHECKING:
     from tokenline.proxy.routing.pool import Worker
@@ -51,6 +51,7 @@ class Prompt:
 
     tokens: int
     keys: list[int]
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,11 @@ class EventPorts:
 
     def endpoints(self, url: str) -> tuple[str, str]:
         parts = urlsplit(url)
-        host = parts.hostname or "127.0.0.1"
         port = parts.port or (443 if parts.scheme == "https" else 80)
         if self.ipc is not None:
             return f"ipc://{self.ipc}/{port}", f"ipc://{self.ipc}/{port}.replay"
         assert self.offset is not None
+        host = parts.hostname or "127.0.0.1"
         host = f"[{host}]" if ":" in host else host
         return f"tcp://{host}:{port + self.offset}", f"tcp://{host}:{port + self.offset + 1}"
 
@@ -125,6 +126,14 @@ class PrefixRouting:
     engines: dict[str, EngineCacheConfig | None] = field(default_factory=dict)
     """Each replica's cache configuration, as its /metrics told (None: it tells none)."""
     indexes: dict[str, BlockIndex] = field(default_factory=dict)
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapter name -> path, as the pool's engines list them (vLLM keys an adapter's
+    blocks by both)."""
+    adapter_cost: float = 256.0
+    """Prefill tokens an adapter weighs as on a replica that did not run it lately (it may
+    have to load its weights, and takes a LoRA slot from the adapters running there)."""
+    warm: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per replica, adapter -> when a request for it last went there."""
     subscribers: dict[str, KvEventSubscriber] = field(default_factory=dict)
     stats: RoutingStats = field(default_factory=RoutingStats)
 
@@ -138,8 +147,11 @@ class PrefixRouting:
         if not self.ready:
             return None
         assert self.hasher is not None
-        keys = self.hasher.keys(gen.token_ids, cache_salt=gen.cache_salt)
-        return Prompt(len(gen.token_ids), keys)
+        lora = None
+        if gen.model is not None and (path := self.adapters.get(gen.model)) is not None:
+            lora = LoraKey(gen.model, path)
+        keys = self.hasher.keys(gen.token_ids, cache_salt=gen.cache_salt, lora=lora)
+        return Prompt(len(gen.token_ids), keys, lora.name if lora else None)
 
     def choose(self, workers: Sequence[Worker], prompt: Prompt) -> Pick:
         """The replica of `workers` (in turn order) that takes `prompt`; its blocks are
@@ -147,13 +159,25 @@ class PrefixRouting:
         assert self.chooser is not None
         now, keys = self.now(), prompt.keys
         candidates = [
-            Candidate(Load(w.uncached, w.in_flight), self.index(w.url).cached_prefix(keys, now))
+            Candidate(
+                Load(w.uncached, w.in_flight),
+                self.index(w.url).cached_prefix(keys, now),
+                self._cold(w.url, prompt.adapter, now),
+            )
             for w in workers
         ]
         i = self.chooser.choose(candidates, prompt.tokens)
         worker, cached = workers[i], candidates[i].cached_blocks
         self.index(worker.url).sent(prompt.keys, now)
         return self._counted(worker, prompt, cached)
+
+    def _cold(self, url: str, adapter: str | None, now: float) -> float:
+        """The adapter's weight on replica `url`: none if a request for it went there within
+        `sent_ttl` seconds."""
+        if adapter is None:
+            return 0.0
+        last = self.warm.get(url, {}).get(adapter)
+        return 0.0 if last is not None and now - last <= self.sent_ttl else self.adapter_cost
 
     def holds(self, worker: Worker, prompt: Prompt) -> int:
         """Leading blocks of `prompt` that `worker` is expected to hold."""
@@ -167,6 +191,8 @@ class PrefixRouting:
 
     def _counted(self, worker: Worker, prompt: Prompt, cached: int) -> Pick:
         assert self.chooser is not None
+        if prompt.adapter is not None:
+            self.warm.setdefault(worker.url, {})[prompt.adapter] = self.now()
         uncached = self.chooser.uncached(prompt.tokens, cached)
         stats = self.stats
         stats.decisions += 1
@@ -187,6 +213,7 @@ class PrefixRouting:
         index = self.indexes.get(url)
         if index is not None:
             index.clear()
+        self.warm.pop(url, None)
 
     async def learn(
         self, client: Client, workers: Sequence[Worker], headers: dict[str, str]

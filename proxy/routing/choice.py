@@ -6,7 +6,9 @@ load after taking the prompt is least wins, so a cached prefix counts exactly as
 work it saves. One hard rule keeps affinity from piling work on a replica: only replicas whose
 load is at most `cap` (1.5) times the mean take part. The least loaded always does, so every
 prompt goes somewhere, and under any one hot prefix no replica ends more than `cap` times the
-mean load plus one prompt. Equal choices take turns.
+mean load plus one prompt. Equal choices take turns. A prompt for a LoRA adapter weighs a
+little more where the adapter has not run lately (`Candidate.cold`), so an adapter's requests
+gather on the replicas that run it, and spread once their load outweighs that.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Candidate(NamedTuple):
     load: Load
     cached_blocks: int
     """Leading blocks of the prompt it is expected to hold (`BlockIndex.cached_prefix`)."""
+    cold: float = 0.0
+    """Prefill tokens the prompt weighs as besides its own here: its LoRA adapter, where it
+    has not run lately."""
 
 
 class PrefixChooser:
@@ -69,8 +74,8 @@ class PrefixChooser:
         best: list[int] = []
         least = float("inf")
         for i in self.eligible(candidates):
-            load, cached = candidates[i]
-            after = self.weight(load) + self.uncached(prompt_tokens, cached)
+            load, cached, cold = candidates[i]
+            after = self.weight(load) + self.uncached(prompt_tokens, cached) + cold
             if after < least:
                 best, least = [i], after
             elif after == least:

@@ -221,3 +221,38 @@ def test_a_pool_with_no_healthy_replica_leaves_the_choice_to_the_call() -> None:
     assert _routed_pick(pool, gen(tokens), ()) is None
     pool.routing = None
     assert _routed_pick(pool, gen(tokens), ()) is None  # not cache-aware: the call chooses
+
+
+def adapter_gen(tokens: list[int], adapter: str) -> GenerateRequest:
+    return GenerateRequest(
+        token_ids=tokens, sampling_params=SamplingParams(max_tokens=1), model=adapter
+    )
+
+
+def test_an_adapters_blocks_are_keyed_by_it_as_vllm_keys_them() -> None:
+    pool = routed_pool()
+    assert pool.routing is not None
+    pool.routing.adapters.update({"a1": "/loras/a1", "a2": "/loras/a2"})
+    tokens = list(range(4 * BLOCK))
+    base, a1, a2 = (
+        pool.prompt(g) for g in (gen(tokens), *(adapter_gen(tokens, a) for a in ("a1", "a2")))
+    )
+    assert base is not None and a1 is not None and a2 is not None
+    assert len({tuple(p.keys) for p in (base, a1, a2)}) == 3  # no adapter reads another's KV
+    assert (base.adapter, a1.adapter) == (None, "a1")
+    unknown = pool.prompt(adapter_gen(tokens, "not-loaded"))  # the engine refuses it by name
+    assert unknown is not None and unknown.keys == base.keys and unknown.adapter is None
+
+
+def test_an_adapters_requests_gather_where_it_runs_and_spread_under_load() -> None:
+    pool = routed_pool(("a", "b", "c"))
+    assert pool.routing is not None
+    pool.routing.adapters["a1"] = "/loras/a1"
+    first = pool.pick((), pool.prompt(adapter_gen([1, 2, 3], "a1"))).worker  # type: ignore[arg-type]
+    for n in range(6):  # different prompts, nothing cached: the adapter's replica, while idle
+        prompt = pool.prompt(adapter_gen([10 * n + k for k in range(3)], "a1"))
+        assert pool.pick((), prompt).worker is first  # type: ignore[arg-type]
+    first.in_flight, first.uncached = 2, 400  # busy: its adapter weighs less than that
+    prompt = pool.prompt(adapter_gen([7, 7, 7], "a1"))
+    assert pool.pick((), prompt).worker is not first  # type: ignore[arg-type]
+    first.in_flight, first.uncached = 0, 0
