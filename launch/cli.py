@@ -141,6 +141,12 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     return bench(extra)
 
 
+def _plan(args: argparse.Namespace, extra: list[str]) -> int:
+    from tokenline.launch.plan import run
+
+    return run(args)
+
+
 def _up(args: argparse.Namespace, extra: list[str]) -> int:
     from tokenline.launch.up import from_args, run_up
 
@@ -149,6 +155,7 @@ def _up(args: argparse.Namespace, extra: list[str]) -> int:
 
 def parser() -> argparse.ArgumentParser:
     from tokenline.launch.models.build import MODELS
+    from tokenline.launch.plan import add_arguments as plan_args
     from tokenline.launch.up import add_arguments as up_args
     from tokenline.proxy.config import add_arguments as proxy_args
     from tokenline.services.derender.config import add_arguments as derender_args
@@ -162,6 +169,7 @@ def parser() -> argparse.ArgumentParser:
         ("derender", derender_args, _derender, "token IDs -> OpenAI responses service"),
         ("proxy", proxy_args, _proxy, "the OpenAI front door"),
         ("up", up_args, _up, "the whole pipeline as local processes"),
+        ("plan", plan_args, _plan, "replicas and cores per tier for a load, from bench figures"),
         (
             "generate",
             generate_args,
