@@ -47,6 +47,7 @@ from tokenline.shared.http import (
     make_base_app,
 )
 from tokenline.shared.metrics import CLIENT_GONE
+from tokenline.shared.tracing import PROXY, traced
 
 log = logging.getLogger(__name__)
 CONFIG = web.AppKey("proxy_config", ProxyConfig)
@@ -294,6 +295,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     outer = [metrics.middleware(), drain_middleware(drain), auth_middleware(config.api_key)]
     app = make_base_app([*outer, request_log_middleware()], max_body=config.max_body_bytes)
     app[CONFIG], app[METRICS], app[DRAIN] = config, metrics, drain
+    traced(app, PROXY)  # a span per request and per hop, when OTEL_EXPORTER_OTLP_* say so
     app[ADMISSION] = Admission(config.max_in_flight, config.max_queued)
     app[TOKENS_ONLY] = config.generate_tokens_only
     app.cleanup_ctx.append(hops_ctx)

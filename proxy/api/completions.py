@@ -39,6 +39,7 @@ from tokenline.proxy.flow.stream import Out, Streaming, whole
 from tokenline.shared.errors import BadRequest, ServiceError, UpstreamRejected, as_service_error
 from tokenline.shared.http import read_json_body
 from tokenline.shared.kinds import CHAT, COMPLETION, Kind
+from tokenline.shared.tracing import trace_headers
 from tokenline.shared.wire import JSON
 
 HOPS = web.AppKey("hops", Hops)
@@ -76,6 +77,7 @@ def hop_headers(request: web.Request) -> HopHeaders:
     return HopHeaders(
         request_id=request.headers.get("X-Request-Id"),
         dp_rank=request.headers.get("X-data-parallel-rank"),
+        trace=trace_headers(request.headers),
     )
 
 

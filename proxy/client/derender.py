@@ -27,6 +27,7 @@ from tokenline.proxy.flow.chunks import StreamAnswer, StreamCall
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Worker
 from tokenline.proxy.routing.retry import FirstTry, RetryPolicy, on_replicas, report
+from tokenline.shared import tracing
 from tokenline.shared.errors import (
     PayloadTooLarge,
     ServiceError,
@@ -38,6 +39,7 @@ from tokenline.shared.errors import (
 from tokenline.shared.frames import MAX_BATCH_BODY
 from tokenline.shared.kinds import Kind, KindName
 from tokenline.shared.limits import DERENDER_BATCH_ITEMS
+from tokenline.shared.tracing import NO_SPAN
 from tokenline.shared.wire import (
     BATCH_ANSWER,
     BATCH_ITEM,
@@ -52,6 +54,7 @@ T = TypeVar("T")
 Answered = Callable[[StreamAnswer | ServiceError], None]
 """Hears a submitted call's outcome (in an event-loop callback; it must not raise)."""
 JSON_HEADERS = {"Content-Type": "application/json"}
+HOP, TRANSPORT = "tokenline.hop", "tokenline.derender.transport"
 
 
 class Submitted(Protocol):
@@ -73,7 +76,8 @@ class DerenderTransport(Protocol):
         ...
 
     def streaming(self) -> contextlib.AbstractContextManager[None]:
-        """Held by a stream while its chunks keep coming (batching waits for them)."""
+        """Held by a stream while its chunks keep coming (batching waits for them); the
+        stream's derender span while tracing (one per stream, none per chunk)."""
         ...
 
     async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> Any:
@@ -103,6 +107,11 @@ class HttpDerender:
     """`submit`'s calls in flight (a task each, but for the batched transport's), and who
     hears each."""
     passes_chunks: ClassVar[bool] = False
+    transport: ClassVar[str] = "http"
+    batches: int = field(default=0, kw_only=True)
+    """Batches sent so far, and the calls they carried (`batched`): for a stream's span, the
+    mean batch size while it ran (the batched transport's; one call per POST here)."""
+    batched: int = field(default=0, kw_only=True)
 
     async def post(
         self, path: str, body: bytes, headers: dict[str, str], read: Callable[[bytes], T]
@@ -111,7 +120,21 @@ class HttpDerender:
         return await self.metrics.timed("derender", call)
 
     async def whole(self, kind: Kind, body: bytes, headers: dict[str, str]) -> Any:
-        return await self.post(kind.derender_path, body, headers, kind.whole.decode)
+        with tracing.current().hop("derender", {HOP: "derender", TRANSPORT: "http"}) as span:
+            if span is not NO_SPAN:
+                headers = {**headers, **span.headers()}
+            call = post_any(
+                self.client,
+                self.pool,
+                self.policy,
+                kind.derender_path,
+                body,
+                headers,
+                self.limits,
+                kind.whole.decode,
+                span,
+            )
+            return await self.metrics.timed("derender", call)
 
     async def stream(self, call: StreamCall) -> StreamAnswer:
         # the client's own bytes: no re-encoding of the original request per chunk
@@ -136,7 +159,24 @@ class HttpDerender:
         self.submitted.pop(task, None)
 
     def streaming(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        if not tracing.current().on:
+            return contextlib.nullcontext()
+        return self.traced()
+
+    @contextlib.contextmanager
+    def traced(self) -> Iterator[None]:
+        """A stream's derender span, from its first chunk to its end: its transport, and the
+        batches sent meanwhile (every stream's) with their mean size."""
+        batches, batched = self.batches, self.batched
+        attributes = {HOP: "derender", TRANSPORT: self.transport}
+        with tracing.current().hop("derender", attributes) as span:
+            try:
+                yield
+            finally:
+                sent = self.batches - batches
+                span.set("tokenline.derender.batches", sent)
+                if sent:
+                    span.set("tokenline.derender.batch_size", (self.batched - batched) / sent)
 
     async def close(self) -> None:
         await self.cancel_submitted()
@@ -269,6 +309,7 @@ class BatchedDerender(HttpDerender):
     stay as the engine made them."""
 
     passes_chunks: ClassVar[bool] = True
+    transport: ClassVar[str] = "batched"
     wait: float = 0.006
     waiting: dict[KindName, list[_Pending]] = field(default_factory=dict)
     pending: int = 0
@@ -317,7 +358,11 @@ class BatchedDerender(HttpDerender):
     def streaming(self) -> Iterator[None]:
         self.streams += 1
         try:
-            yield
+            if tracing.current().on:
+                with self.traced():
+                    yield
+            else:
+                yield
         finally:
             self.streams -= 1
             if self.waiting:  # the batch may have waited for this stream alone
@@ -343,6 +388,8 @@ class BatchedDerender(HttpDerender):
             live = [p for p in items if p.live()]  # a caller may have gone
             for batch in _split(live, replicas):
                 self.metrics.batch_items.observe(len(batch))
+                self.batches += 1
+                self.batched += len(batch)
                 self._send(batch)
 
     def _send(self, batch: list[_Pending]) -> None:

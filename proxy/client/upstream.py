@@ -36,6 +36,7 @@ from tokenline.shared.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from tokenline.shared.tracing import NO_SPAN, Span
 from tokenline.shared.wire import ERROR
 
 T = TypeVar("T")
@@ -44,6 +45,8 @@ REPLICA_STATUSES = frozenset({408, 429, 502, 503, 504})
 GENERATE_PATH = "/inference/v1/generate"
 SSE_LINE_LIMIT = 1 << 24  # one generate chunk's JSON (a step's tokens, with their logprobs)
 BODY_END_WAIT = 1.0  # seconds a stream's body may take to end after its [DONE]
+REPLICA, ATTEMPTS = "tokenline.replica", "tokenline.attempts"
+"""Span attributes: the replica a hop's (last) try went to, and how many tries it took."""
 
 
 @contextlib.contextmanager
@@ -123,12 +126,19 @@ async def post_any(
     headers: Mapping[str, str],
     limits: Limits,
     read: Callable[[bytes], T],
+    span: Span = NO_SPAN,
 ) -> T:
     """POST `body` to a healthy replica of a pure hop's `pool`; another one on a replica's
     failure (`proxy.retry.on_replicas`). `read` decodes the answer on the replica's account: an
-    answer it cannot read is that replica's fault, and goes to another (`as_is` reads later)."""
+    answer it cannot read is that replica's fault, and goes to another (`as_is` reads later).
+    The hop's `span` learns each try's replica and how many tries it took."""
+    tries = 0
 
     async def once(worker: Worker) -> T:
+        nonlocal tries
+        tries += 1
+        span.set(REPLICA, worker.url)
+        span.set(ATTEMPTS, tries)
         data = await post(client, pool, worker, path, body, headers, limits)
         return readable(pool.role, read, data)
 
@@ -162,6 +172,7 @@ async def stream_payloads(
     headers: Mapping[str, str],
     limits: Limits,
     uncached: int = 0,
+    span: Span = NO_SPAN,
 ) -> AsyncGenerator[list[bytes], Pumping | None]:
     """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
     read together, the outcome reported to the pool (a stream left early reports nothing).
@@ -173,35 +184,45 @@ async def stream_payloads(
 
     vLLM checks some inputs (a structured-output grammar) only once its 200 has gone out: an
     error event before any output is then that error's own status, as if it had been the
-    answer (a 400 stays the request's fault, never the replica's)."""
-    with pool.lease(worker, uncached), reported(pool, worker), translated(pool.role, worker):
-        async with client.request(
-            "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
-        ) as resp:
-            if not 200 <= resp.status < 300:
-                raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
-            with _closed_when_gone(pool.role, worker, resp):
-                events = SseEvents()
-                first = True
-                while (data := await resp.next_piece()) is not None:
-                    payloads = events.feed(data)
-                    if first and payloads and payloads[0].startswith(b'{"error"'):
-                        code = _code(payloads[0])
-                        raise rejected_or_failed(pool.role, worker, code, payloads[0])
-                    first = first and not payloads
-                    if payloads:
-                        pump = yield payloads
-                        while pump is not None and not events.done:
-                            more = await _pumped(resp, events, pump)
-                            rest = pump.rest()
-                            if not more:  # ended or failed: what it gave back, then on
-                                if rest:
-                                    yield rest
-                                break
-                            pump = yield rest
-                    if events.done:
-                        await _rest_of_body(resp)
-                        return
+    answer (a 400 stays the request's fault, never the replica's).
+
+    `span` (the decode hop's, started by the caller) ends with the stream, in error if it
+    failed; nothing is traced per chunk."""
+    try:
+        with pool.lease(worker, uncached), reported(pool, worker), translated(pool.role, worker):
+            async with client.request(
+                "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
+            ) as resp:
+                if not 200 <= resp.status < 300:
+                    raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
+                with _closed_when_gone(pool.role, worker, resp):
+                    events = SseEvents()
+                    first = True
+                    while (data := await resp.next_piece()) is not None:
+                        payloads = events.feed(data)
+                        if first and payloads and payloads[0].startswith(b'{"error"'):
+                            code = _code(payloads[0])
+                            raise rejected_or_failed(pool.role, worker, code, payloads[0])
+                        first = first and not payloads
+                        if payloads:
+                            pump = yield payloads
+                            while pump is not None and not events.done:
+                                more = await _pumped(resp, events, pump)
+                                rest = pump.rest()
+                                if not more:  # ended or failed: what it gave back, then on
+                                    if rest:
+                                        yield rest
+                                    break
+                                pump = yield rest
+                        if events.done:
+                            await _rest_of_body(resp)
+                            return
+    except BaseException as exc:
+        if not isinstance(exc, GeneratorExit | asyncio.CancelledError):  # left early: no failure
+            span.fail(exc)
+        raise
+    finally:
+        span.end()
 
 
 async def _pumped(resp: Response, events: SseEvents, pump: Pumping) -> bool:

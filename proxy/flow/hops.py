@@ -18,7 +18,9 @@ from typing import Any, TypeVar
 from tokenline.proxy.client.derender import DerenderTransport
 from tokenline.proxy.client.http import Client, HttpClientError, Limits
 from tokenline.proxy.client.upstream import (
+    ATTEMPTS,
     GENERATE_PATH,
+    REPLICA,
     Pumping,
     post,
     post_any,
@@ -30,6 +32,7 @@ from tokenline.proxy.flow.requests import (
     HopHeaders,
     engine_id,
     engine_request,
+    leg_of,
     prefill_request,
     retry_id,
 )
@@ -37,6 +40,7 @@ from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.cache_aware import Pick
 from tokenline.proxy.routing.pool import Pool, Pools, Worker
 from tokenline.proxy.routing.retry import RetryPolicy, on_replicas, reported
+from tokenline.shared import tracing
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -45,6 +49,7 @@ from tokenline.shared.errors import (
     UpstreamUnavailable,
 )
 from tokenline.shared.kinds import Kind
+from tokenline.shared.tracing import NO_SPAN, Attribute, Span
 from tokenline.shared.wire import (
     GENERATE_RESPONSE,
     JSON,
@@ -52,9 +57,11 @@ from tokenline.shared.wire import (
     GenerateRequest,
     GenerateResponse,
     PromptLogprobs,
+    Usage,
 )
 
 log = logging.getLogger(__name__)
+HOP = "tokenline.hop"
 T = TypeVar("T")
 Decode = Callable[[GenerateRequest, "Prefilled", Sequence[Worker]], Awaitable[T]]
 """A decode leg: the request, its prefill leg's outcome, replicas to avoid."""
@@ -114,17 +121,21 @@ class Hops:
     aborting: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def render(self, kind: Kind, raw: bytes, headers: HopHeaders) -> list[GenerateRequest]:
-        call = post_any(
-            self.client,
-            self.pools.render,
-            self.policy,
-            kind.render_path,
-            raw,
-            headers.pure(),
-            self.timeouts.pure,
-            kind.generate_requests,  # an answer render's replica garbled goes to another
-        )
-        return await self.metrics.timed("render", call)
+        with tracing.current().hop("render", {HOP: "render"}) as span:
+            call = post_any(
+                self.client,
+                self.pools.render,
+                self.policy,
+                kind.render_path,
+                raw,
+                headers.under(span.headers()).pure(),
+                self.timeouts.pure,
+                kind.generate_requests,  # an answer render's replica garbled goes to another
+                span,
+            )
+            gens = await self.metrics.timed("render", call)
+            span.set("tokenline.prompts", len(gens))
+            return gens
 
     async def prefill(
         self,
@@ -145,8 +156,27 @@ class Hops:
             return Prefilled(None, None)
         body = JSON.encode(prefill_request(engine_request(gen, kind, False, None)))
         pick = _routed_pick(pool, gen, exclude)
+        with tracing.current().hop("prefill", _leg("prefill", gen, pick)) as span:
+            hdrs = headers.under(span.headers())
+            return await self._prefill(gen, hdrs, exclude, body, pick, span)
+
+    async def _prefill(
+        self,
+        gen: GenerateRequest,
+        headers: HopHeaders,
+        exclude: Sequence[Worker],
+        body: bytes,
+        pick: Pick | None,
+        span: Span,
+    ) -> Prefilled:
+        pool = self.pools.prefill
+        tries = 0
 
         async def once(worker: Worker) -> Prefilled:
+            nonlocal tries
+            tries += 1
+            span.set(REPLICA, worker.url)
+            span.set(ATTEMPTS, tries)
             uncached = pick.uncached if pick is not None and worker is pick.worker else 0
             with self.metrics.prompt_in_flight(pool.role, worker.url, len(gen.token_ids)):
                 data = await post(
@@ -160,6 +190,7 @@ class Hops:
                     uncached,
                 )
             answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
+            _usage(span, answer.usage)
             if answer.kv_transfer_params is None:
                 raise UpstreamError(
                     f"prefill {worker.url} returned no kv_transfer_params "
@@ -177,6 +208,7 @@ class Hops:
             if _own_fault(exc):
                 raise  # the request's own fault: decode-only would refuse it too
             self.metrics.prefill_fallbacks.inc()
+            span.set("tokenline.prefill_fallback", True)
             log.warning(
                 "prefill.fallback request_id=%s: no prefill replica left, decode-only",
                 gen.request_id,
@@ -188,18 +220,26 @@ class Hops:
     ) -> GenerateResponse:
         pool = self.pools.decode
         pick = self._decode_pick(pool, gen, exclude)
-        worker = pick.worker
+        with tracing.current().hop("decode", _leg("decode", gen, pick)) as span:
+            return await self._generate_whole(gen, headers.under(span.headers()), pick, span)
+
+    async def _generate_whole(
+        self, gen: GenerateRequest, headers: HopHeaders, pick: Pick, span: Span
+    ) -> GenerateResponse:
+        pool, worker = self.pools.decode, pick.worker
         body = JSON.encode(gen)
         hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
         call = post(self.client, pool, worker, GENERATE_PATH, body, hdrs, timeout, pick.uncached)
         try:
             with reported(pool, worker):  # an unreadable answer counts against the replica
                 data = await self.metrics.timed("decode", call)
-                return readable(pool.role, GENERATE_RESPONSE.decode, data)
+                answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
         except ServiceError as exc:
             if not _own_fault(exc):
                 self.abort(worker, gen)  # it may still be running (e.g. a timeout)
             raise
+        _usage(span, answer.usage)
+        return answer
 
     def generate_stream(
         self, gen: GenerateRequest, headers: HopHeaders, exclude: Sequence[Worker] = ()
@@ -208,9 +248,12 @@ class Hops:
         together)."""
         pool = self.pools.decode
         pick = self._decode_pick(pool, gen, exclude)
+        span = tracing.current().start("decode", _leg("decode", gen, pick))
         body = JSON.encode(gen)
-        hdrs, limits = headers.generate(gen), self.timeouts.generate_stream
-        source = stream_payloads(self.client, pool, pick.worker, body, hdrs, limits, pick.uncached)
+        hdrs, limits = headers.under(span.headers()).generate(gen), self.timeouts.generate_stream
+        source = stream_payloads(
+            self.client, pool, pick.worker, body, hdrs, limits, pick.uncached, span
+        )
         return pick.worker, source
 
     def _decode_pick(self, pool: Pool, gen: GenerateRequest, exclude: Sequence[Worker]) -> Pick:
@@ -255,6 +298,8 @@ class Hops:
         by another healthy one.
         """
         skip = self._reserve_decode(gen)
+        if skip:
+            tracing.current().note("tokenline.prefill_skipped", True)
         pre = Prefilled(None, None) if skip else await self.prefill(gen, kind, headers)
         try:
             return await decode(gen, pre, ())
@@ -267,6 +312,7 @@ class Hops:
         finally:
             self.reserved.pop(engine_id(gen), None)
         self.metrics.retries.inc()
+        tracing.current().note("tokenline.retries", 1)
         gen = retry_id(gen)
         pre = await self.prefill(gen, kind, headers, exclude=[pre.worker] if pre.worker else [])
         return await decode(gen, pre, exclude)
@@ -308,6 +354,42 @@ class Hops:
         """Give pending aborts a moment to go out (at shutdown)."""
         if self.background:
             await asyncio.wait(list(self.background), timeout=ABORT_GRACE)
+
+
+def _leg(role: str, gen: GenerateRequest, pick: Pick | None) -> dict[str, Attribute]:
+    """A generate leg's span attributes: the engine's request id (vLLM's own span names it
+    `gen_ai.request.id`), which run of the prompt it is, its prompt, and, when routing chose
+    the replica by cached prefix, the tokens it was expected to hold."""
+    traces = tracing.current()
+    if not traces.on:
+        return {}
+    leg = leg_of(gen)
+    attributes: dict[str, Attribute] = {
+        HOP: role,
+        "gen_ai.request.id": engine_id(gen),
+        "tokenline.leg": leg,
+        "gen_ai.usage.prompt_tokens": len(gen.token_ids),
+    }
+    if pick is not None:
+        attributes[REPLICA] = pick.worker.url
+        if pick.cached_blocks:
+            attributes["tokenline.expected_cached_tokens"] = len(gen.token_ids) - pick.uncached
+    if leg == "migration":
+        traces.note("tokenline.migrations", int(str(gen.request_id).rsplit("-m", 1)[1]))
+    return attributes
+
+
+def _usage(span: Span, usage: Usage | None) -> None:
+    """A generate answer's token counts on its hop's span (cached: what the engine found in
+    its prefix cache, when it reports prompt token details)."""
+    if usage is None or span is NO_SPAN:
+        return
+    span.set("gen_ai.usage.prompt_tokens", usage.prompt_tokens)
+    if usage.completion_tokens is not None:
+        span.set("gen_ai.usage.completion_tokens", usage.completion_tokens)
+    details = usage.prompt_tokens_details
+    if isinstance(details, dict) and isinstance(cached := details.get("cached_tokens"), int):
+        span.set("tokenline.cached_tokens", cached)
 
 
 def _routed_pick(pool: Pool, gen: GenerateRequest, exclude: Sequence[Worker]) -> Pick | None:

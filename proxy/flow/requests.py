@@ -6,7 +6,9 @@ constraint, engine and public ids, and the client's headers that travel on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -183,20 +185,47 @@ class Rendered:
 
 @dataclass(frozen=True)
 class HopHeaders:
-    """The client's headers that travel on: its request id (logs) and vLLM's DP rank hint."""
+    """The client's headers that travel on: its request id (logs), vLLM's DP rank hint, and
+    the W3C trace context (`traceparent`, `tracestate`): the client's as it came, or, while
+    the proxy traces, the span of the hop that makes the call (`under`)."""
 
     request_id: str | None = None
     dp_rank: str | None = None
+    trace: Mapping[str, str] = field(default_factory=dict)
+
+    def under(self, trace: Mapping[str, str]) -> HopHeaders:
+        """These headers with `trace` as the trace context (itself when `trace` is empty:
+        tracing off leaves the client's as it came)."""
+        return dataclasses.replace(self, trace=trace) if trace else self
 
     def pure(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.request_id:
             headers["X-Request-Id"] = self.request_id
+        if self.trace:
+            headers.update(self.trace)
         return headers
 
     def generate(self, gen: GenerateRequest) -> dict[str, str]:
-        """The engine id is `generate-tokens-` + this X-Request-Id, so aborts can name it."""
+        """The engine id is `generate-tokens-` + this X-Request-Id, so aborts can name it;
+        vLLM continues the trace its `traceparent` names (when run with tracing flags)."""
         headers = {"Content-Type": "application/json", "X-Request-Id": str(gen.request_id)}
         if self.dp_rank:
             headers["X-data-parallel-rank"] = self.dp_rank
+        if self.trace:
+            headers.update(self.trace)
         return headers
+
+
+def leg_of(gen: GenerateRequest) -> str:
+    """Which run of a prompt an engine request is, by the suffix the proxy gave its id:
+    `first`, `retry` (`retry_id`), `migration` (`proxy/flow/migration.py`'s `-m<N>`),
+    `rerun` (decode-only after the first token diverged), `continuation` (after it) or
+    `prompt` (`prompt_request`)."""
+    tail = str(gen.request_id).rsplit("-", 1)[-1]
+    if tail[:1] == "m" and tail[1:].isdigit():
+        return "migration"
+    return LEGS.get(tail, "first")
+
+
+LEGS = {"retry": "retry", "whole": "rerun", "after": "continuation", "prompt": "prompt"}

@@ -53,6 +53,7 @@ from tokenline.shared.kinds import KINDS, Kind
 from tokenline.shared.metrics import CLIENT_GONE
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.tracing import DERENDER, traced
 from tokenline.shared.wire import (
     DERENDER_BATCH,
     DETOKENIZE_REQUEST,
@@ -449,6 +450,8 @@ def make_app(config: DerenderConfig) -> web.Application:
     app = make_base_app([metrics.middleware()])
     app[CONFIG], app[METRICS] = config, metrics
     app[SOCKETS] = set()
+    # a span per call that continues a trace: the proxy's whole answers (never a stream's chunks)
+    traced(app, DERENDER, only_continued=True)
     app.cleanup_ctx.append(state_ctx)
     app.cleanup_ctx.append(metrics.loop.ctx)
     app.on_shutdown.append(close_batch_sockets)

@@ -28,6 +28,7 @@ from typing import Literal
 import msgspec
 
 from tokenline.shared.config import CommandLine, Port, Positive
+from tokenline.shared.tracing import PROTOCOL, traces_endpoint
 
 Role = Literal["both", "prefill", "decode"]
 Mode = Literal["engine", "render"]
@@ -90,6 +91,11 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Serve smg's gRPC `VllmEngine` service (`vllm serve --grpc`, smg-grpc-servicer) instead
     of HTTP, with the same engine flags: benchmarks only (`tokenline.launch.bench.grpc`); the
     proxy does not speak it (its proto has no `priority`, `cache_salt`, `bad_words`...)."""
+    otlp_traces_endpoint: str | None = None
+    """Export vLLM's spans (one per request, continuing the `traceparent` it was sent) to this
+    OTLP/HTTP traces URL (`--otlp-traces-endpoint`, over http/protobuf); unset: the standard
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else
+    none."""
 
     def __post_init__(self) -> None:
         if self.role != "both" and self.mode != "engine":
@@ -247,6 +253,8 @@ def command(config: GenerateConfig) -> list[str]:
         cmd += engine_args(config)
     if config.served_model_name:
         cmd += ["--served-model-name", config.served_model_name]
+    if config.otlp_traces_endpoint and config.mode == "engine":
+        cmd += ["--otlp-traces-endpoint", config.otlp_traces_endpoint]
     if (kv := kv_transfer_config(config)) is not None:
         cmd += ["--kv-transfer-config", kv]
     return cmd + list(config.extra_args)
@@ -264,6 +272,12 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
         # One process per instance: starts in ~20 s instead of ~40 s on this CPU.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+    if config.otlp_traces_endpoint and config.mode == "engine":
+        # vLLM exports over gRPC unless told otherwise; its spans' service.name is this one
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = PROTOCOL
+        env.setdefault(
+            "OTEL_SERVICE_NAME", "vllm" if config.role == "both" else f"vllm-{config.role}"
+        )
     if (cores := bound_cores(config.cpu_cores)) is not None:
         # Disjoint cores per instance: a prefill holding KV busy-steps and starves its peers.
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(config.cpu_cores)
@@ -289,4 +303,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace, extra: list[str]) -> GenerateConfig:
-    return CLI.build(args, extra_args=tuple(extra))
+    config = CLI.build(args, extra_args=tuple(extra))
+    if config.otlp_traces_endpoint is None and (url := traces_endpoint()) is not None:
+        config = msgspec.structs.replace(config, otlp_traces_endpoint=url)
+    return config

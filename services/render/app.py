@@ -16,9 +16,11 @@ from tokenline.services.render.config import RenderConfig
 from tokenline.services.render.metrics import RenderMetrics
 from tokenline.services.render.render import RenderSettings
 from tokenline.services.render.tools import ToolFlags
+from tokenline.shared import tracing
 from tokenline.shared.http import make_base_app, read_json_body
 from tokenline.shared.served import add_service_routes
 from tokenline.shared.tokenizer import ModelTokenizer
+from tokenline.shared.tracing import RENDER, traced
 
 RenderFn = Callable[[bytes, str | None], worker.Rendered]
 INLINE_BODY = 2048
@@ -114,6 +116,7 @@ async def _render(request: web.Request, pick: Callable[[RenderState], RenderFn])
         call = functools.partial(pick(state), body, rid)
         rendered = await asyncio.get_running_loop().run_in_executor(state.executor, call)
     request.app[PROMPT_TOKENS].inc(rendered.prompt_tokens)
+    tracing.current().note("gen_ai.usage.prompt_tokens", rendered.prompt_tokens)
     return web.Response(body=rendered.body, content_type="application/json")
 
 
@@ -139,6 +142,7 @@ def make_app(config: RenderConfig) -> web.Application:
     app[CONFIG] = config
     app[METRICS] = metrics
     app[PROMPT_TOKENS] = metrics.prompt_tokens
+    traced(app, RENDER)  # a span per request, when OTEL_EXPORTER_OTLP_* say so
     app.cleanup_ctx.append(executor_ctx)
     app.cleanup_ctx.append(metrics.loop.ctx)
     app.router.add_post("/v1/chat/completions/render", chat_render)
