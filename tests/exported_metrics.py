@@ -5,11 +5,11 @@ the autoscaling manifests and the dashboard are checked against."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import vllm
 from prometheus_client import CollectorRegistry
 
 from tokenline.proxy.metrics import ProxyMetrics
@@ -51,7 +51,9 @@ def _kind(call: ast.Call) -> str | None:
 def vllm_series() -> set[str]:
     """Every `vllm:` series vLLM's metric loggers define: `name="vllm:..."` given to a
     gauge, counter or histogram class (prometheus_client's, or vLLM's wrappers of it)."""
-    root = Path(vllm.__file__).parent
+    spec = importlib.util.find_spec("vllm")  # its source, not the package: no import
+    assert spec is not None and spec.origin is not None
+    root = Path(spec.origin).parent
     found: set[str] = set()
     for path in VLLM_METRICS:
         for node in ast.walk(ast.parse((root / path).read_text())):
