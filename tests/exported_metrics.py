@@ -21,7 +21,7 @@ SUFFIXES = {
     "gauge": ("",),
     "histogram": ("_bucket", "_sum", "_count", "_created"),
 }
-VLLM_METRICS = ("v1/metrics/loggers.py", "v1/spec_decode/metrics.py")
+VLLM_METRICS = ("v1/metrics/loggers.py", "v1/metrics/perf.py", "v1/spec_decode/metrics.py")
 """vLLM's modules defining the series its API server's /metrics shows."""
 
 
@@ -62,7 +62,8 @@ def vllm_series() -> set[str]:
             for kw in node.keywords:
                 name = kw.value.value if isinstance(kw.value, ast.Constant) else None
                 if kw.arg == "name" and str(name).startswith("vllm:"):
-                    found |= _samples(str(name).removesuffix("_total"), kind)
+                    family = str(name).removesuffix("_total") if kind == "counter" else str(name)
+                    found |= _samples(family, kind)
     return found
 
 
