@@ -39,6 +39,7 @@ from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.parsers.registry import ReasoningParserName, ToolParserName
 from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
 from tokenline.shared.config import CommandLine, NonNegative, Port, Positive, Seconds
+from tokenline.shared.tracing import traces_endpoint
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenline"
 WATCH_S = 0.5
@@ -150,6 +151,7 @@ def _engines(up: UpConfig, model: Path, served: str, events: Path | None) -> lis
             cpu_cores=str(k % cores) if up.pd else None,
             nixl_port=free_port() if up.pd else None,
             vllm_bin=up.vllm_bin,
+            otlp_traces_endpoint=traces_endpoint(),  # vLLM's spans, where OTEL_* send ours
             # the engine's reasoning parser decides when structured outputs start; a
             # tokens-only engine has no tokenizer to parse with (and takes no constraint)
             extra_args=() if up.tokens_only else tuple(up.parsers.argv()),

@@ -100,14 +100,14 @@ class GenerateConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.role != "both" and self.mode != "engine":
             raise ValueError(f"role {self.role!r} needs an engine, not {self.mode!r}")
+        if self.kv_events_port is not None and self.kv_events_ipc is not None:
+            raise ValueError("KV events go to a port or an ipc directory, not both")
         if self.cpu_cores is not None and not bound_cores(self.cpu_cores):
             raise ValueError(f"cpu_cores {self.cpu_cores!r} names no cores (e.g. 0, 0-1, 0,2-3)")
 
 
 ENGINE_CORE = "VLLM::EngineCor"
 """vLLM's engine process title, as the kernel keeps it (15 characters)."""
-        if self.kv_events_port is not None and self.kv_events_ipc is not None:
-            raise ValueError("KV events go to a port or an ipc directory, not both")
 
 
 def bound_cores(mask: str | None) -> frozenset[int] | None:
@@ -190,12 +190,6 @@ def kv_events_endpoints(config: GenerateConfig) -> tuple[str, str] | None:
     host = "*" if config.host in ("0.0.0.0", "::", "") else config.host
     host = f"[{host}]" if ":" in host else host
     port = config.kv_events_port
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": endpoint,
-            "replay_endpoint": replay,
     return f"tcp://*:{port}", f"tcp://{host}:{port + 1}"
 
 
@@ -203,6 +197,12 @@ def kv_events_config(config: GenerateConfig) -> str | None:
     if (endpoints := kv_events_endpoints(config)) is None:
         return None
     endpoint, replay = endpoints
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
             "topic": "",
         }
     )
