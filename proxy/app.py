@@ -28,6 +28,7 @@ from tokenline.proxy.api.completions import (
     chat_completions,
     completions,
 )
+from tokenline.proxy.api.responses import add_responses_routes
 from tokenline.proxy.api.tokenize import add_utility_routes
 from tokenline.proxy.client.derender import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.client.http import Client, Limits
@@ -303,6 +304,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     add_utility_routes(app)
+    add_responses_routes(app, config.store)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handle)
     return app

@@ -102,6 +102,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout: Seconds = 30.0
     """Seconds requests in flight get to finish after SIGTERM (new ones get 503 meanwhile);
     then the rest are cut and aborted upstream."""
+    store: str = "responses.db"
+    """Where `/v1/responses` keeps stored responses (per API key): a SQLite file (a path,
+    relative to the working directory, made on first use) for one proxy, or a PostgreSQL URL
+    (postgresql://user:password@host/db, from TOKENLINE_STORE: not `ps`-visible) that the
+    proxies of one deployment share. The schema migrates itself."""
 
 
 def _url(text: str) -> str:
@@ -143,6 +148,7 @@ CLI = CommandLine(
     {f"{role}_urls": _replicas(role) for role in ("render", "derender", "prefill", "decode")}
     | {
         "port": Option(env="TOKENLINE_PORT"),
+        "store": Option(env="TOKENLINE_STORE"),
         "open": Option(env="TOKENLINE_OPEN"),
         "api_key": _key_file("api_key", "the key clients must send"),
         "generate_api_key": _key_file("generate_api_key", "the key generate replicas require"),

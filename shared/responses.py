@@ -100,6 +100,8 @@ class ResponsesRequest(Strict, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     max_tool_calls: int | None = None
     prompt_cache_key: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's own constraint field (regex, grammar, choice...), passed to chat as it is."""
 
 
 RESPONSES_REQUEST = msgspec.json.Decoder(ResponsesRequest)

@@ -193,6 +193,7 @@ def chat_request(request: ResponsesRequest, items: Sequence[InputItem]) -> dict[
         "stop": request.stop,
         "chat_template_kwargs": request.chat_template_kwargs,
         "response_format": _response_format(request),
+        "structured_outputs": request.structured_outputs,
     }
     body.update({k: v for k, v in sampling.items() if v is not None})
     if request.reasoning is not None and request.reasoning.effort is not None:

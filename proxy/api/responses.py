@@ -1,0 +1,216 @@
+"""HTTP <-> the Responses API: `POST /v1/responses` (whole or streamed), and a stored response's
+`GET`, `DELETE` and `POST .../cancel`.
+
+A Responses request becomes a chat request (`shared/responses_chat.py`) that runs through the
+chat flow as any chat request does (`answer_whole` / `answer_stream` in `completions.py`:
+admission, render, P/D, derender, migration, routing); its answer becomes the Response, or the
+stream's chunks become Responses events (`shared/responses_stream.py`).
+
+Storing (`store`, true unless the client says false, as in vLLM) happens before the client is
+told the response is done: a whole answer is saved before it is sent, a stream's
+`response.completed` goes out only after the save. A save that fails is the client's 503 (in a
+stream: an `error` event instead of `response.completed`), never a silent loss. Records belong to
+the hash of the request's API key: another key's id is a 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from tokenline.proxy.api.completions import (
+    ADMISSION,
+    EventStream,
+    answer_stream,
+    answer_whole,
+)
+from tokenline.proxy.store import Store, StoredResponse, key_hash, open_store
+from tokenline.shared.errors import BadRequest, NotFound, ServiceError
+from tokenline.shared.http import json_response, read_json_body
+from tokenline.shared.kinds import CHAT
+from tokenline.shared.responses import (
+    ITEMS,
+    JSON,
+    RESPONSE,
+    RESPONSES_REQUEST,
+    DeletedResponse,
+    InputItem,
+    Response,
+    ResponsesRequest,
+)
+from tokenline.shared.responses_chat import (
+    chat_request,
+    input_items,
+    new_id,
+    output_as_input,
+    whole_response,
+)
+from tokenline.shared.responses_stream import Event, ResponseEvents
+
+log = logging.getLogger(__name__)
+STORE = web.AppKey("response_store", Store)
+
+
+def add_responses_routes(app: web.Application, store_url: str) -> None:
+    """The routes, and the store they share (opened with the app, closed after it)."""
+
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        store = open_store(store_url)
+        app[STORE] = store
+        if not store.url.startswith("sqlite:"):  # a SQLite file is made on first use only
+            try:
+                await store.open()
+            except ServiceError as exc:  # retried by every request that needs it
+                log.warning("store.unavailable %s", exc.message)
+        yield
+        await store.close()
+
+    app.cleanup_ctx.append(store_ctx)
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", delete)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
+
+
+def owner_of(request: web.Request) -> str:
+    """Whose records a request reads and writes: the hash of its bearer key."""
+    auth = request.headers.get("Authorization", "")
+    return key_hash(auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None)
+
+
+async def _stored(request: web.Request, response_id: str, param: str) -> StoredResponse:
+    found = await request.app[STORE].get(owner_of(request), response_id)
+    if found is None:
+        raise NotFound(f"Response with id '{response_id}' not found.", param=param)
+    return found
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    stored = await _stored(request, request.match_info["response_id"], "response_id")
+    return web.Response(body=stored.response, content_type="application/json")
+
+
+async def delete(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    if not await request.app[STORE].delete(owner_of(request), rid):
+        raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+    return json_response(DeletedResponse(id=rid))
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """vLLM cancels background responses only; tokenline has none (`background` is refused),
+    so a stored response is always finished: vLLM's 400 for a synchronous one."""
+    await _stored(request, request.match_info["response_id"], "response_id")
+    raise BadRequest("Cannot cancel a synchronous response.", param="response_id")
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    asked = RESPONSES_REQUEST.decode(await read_json_body(request))
+    items = input_items(asked.input)
+    history = await _history(request, asked)
+    body = chat_request(asked, history + items)
+    raw = JSON.encode(body)
+    client = CHAT.client_request.decode(raw)
+    rid = new_id("resp")
+    async with request.app[ADMISSION].slot(client.priority):
+        if not asked.stream:
+            chat = msgspec.to_builtins(await answer_whole(request, CHAT, client, raw))
+            response = whole_response(asked, rid, chat)
+            await _save(request, asked, response, history + items)
+            return web.Response(body=JSON.encode(response), content_type="application/json")
+        framing = ResponsesSse(ResponseEvents(asked, rid, asked.model or ""))
+        out = EventStream(request, framing)
+
+        async def run() -> None:
+            await answer_stream(request, CHAT, client, raw, out)
+            framing.finish()
+            assert framing.state.response is not None
+            await _save(request, asked, framing.state.response, history + items)
+
+        return await out.serve(run())
+
+
+async def _history(request: web.Request, asked: ResponsesRequest) -> list[InputItem]:
+    """A follow-up's conversation so far: the previous response's input items, then its
+    output (none without `previous_response_id`)."""
+    if asked.previous_response_id is None:
+        return []
+    stored = await _stored(request, asked.previous_response_id, "previous_response_id")
+    previous = RESPONSE.decode(stored.response)
+    before = input_items(ITEMS.decode(stored.input_items), field="previous_response_id")
+    return before + output_as_input(previous.output)
+
+
+async def _save(
+    request: web.Request, asked: ResponsesRequest, response: Response, items: list[InputItem]
+) -> None:
+    if asked.store is False:
+        return
+    record = StoredResponse(
+        id=response.id,
+        key_hash=owner_of(request),
+        created_at=response.created_at,
+        status=response.status,
+        response=JSON.encode(response),
+        input_items=JSON.encode(items),
+    )
+    await request.app[STORE].put(record)
+
+
+def _sse(event: Event) -> bytes:
+    return b"event: %b\ndata: %b\n\n" % (event["type"].encode(), JSON.encode(event))
+
+
+class ResponsesSse:
+    """The Responses framing of a chat stream (`EventStream`): `event: <type>` + `data:`
+    events, as vLLM frames them; no `[DONE]`. `response.completed` is written by `end`, after
+    `finish` (which the route calls once the response is saved)."""
+
+    def __init__(self, state: ResponseEvents) -> None:
+        self.state = state
+        self.started = False
+        self.last: bytes = b""
+
+    def _begin(self) -> list[Event]:
+        if self.started:
+            return []
+        self.started = True
+        return self.state.start()
+
+    def events(self, chunks: list[Any]) -> bytes:
+        out = self._begin()
+        for chunk in chunks:
+            out += self.state.feed(_as_dict(chunk))
+        return b"".join(map(_sse, out))
+
+    def finish(self) -> None:
+        """The stream's end: the open item's `.done` events and `response.completed`, held
+        until `end` writes them."""
+        self.last = b"".join(map(_sse, self._begin() + self.state.flush()))
+
+    def end(self) -> bytes:
+        return self.last
+
+    def failed(self, exc: ServiceError) -> bytes:
+        event = {
+            "type": "error",
+            "sequence_number": self.state.sequence,
+            "code": exc.kind,
+            "message": exc.message,
+            "param": exc.param,
+        }
+        return self.events([]) + _sse(event)
+
+
+def _as_dict(chunk: Any) -> dict[str, Any]:
+    if isinstance(chunk, dict):
+        return chunk
+    if isinstance(chunk, msgspec.Raw):
+        decoded: dict[str, Any] = msgspec.json.decode(chunk)
+        return decoded
+    built: dict[str, Any] = msgspec.to_builtins(chunk)
+    return built
