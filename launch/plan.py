@@ -227,12 +227,16 @@ def _n(x: float) -> str:
 
 
 def text(costs: Costs, load: Load, engines: Engines, tiers: list[Tier], utilization: float) -> str:
-    lines = [
+    head = (
         f"tokenline plan: {_n(load.requests_per_s)} requests/s, {_n(load.prompt_tokens)} prompt "
         f"+ {_n(load.output_tokens)} output tokens each ({_n(load.prompt_tokens_per_s)} prompt, "
-        f"{_n(load.output_tokens_per_s)} output tokens/s); cores at most "
-        f"{utilization:.0%} busy",
-        "",
+        f"{_n(load.output_tokens_per_s)} output tokens/s); cores at most {utilization:.0%} busy"
+    )
+    return "\n".join([head, "", *_measurements(costs, engines), "", *_table(tiers)])
+
+
+def _measurements(costs: Costs, engines: Engines) -> list[str]:
+    lines = [
         f"measurements used{' from ' + costs.measured if costs.measured else ''}:",
         f"  render    {_n(costs.render_us_per_request.value)} us CPU a request  "
         f"({costs.render_us_per_request.source})",
@@ -250,19 +254,23 @@ def text(costs: Costs, load: Load, engines: Engines, tiers: list[Tier], utilizat
             f"  decode    {_n(engines.decode_streams)} streams a replica at "
             f"{_n(engines.stream_tokens_per_s)} tokens/s each (given)"
         )
-    lines += ["", f"{'tier':<18}{'load':>28}{'cores':>8}{'replicas':>10}   a replica carries"]
+    return lines
+
+
+def _table(tiers: list[Tier]) -> list[str]:
+    lines = [f"{'tier':<18}{'load':>28}{'cores':>8}{'replicas':>10}   a replica carries"]
     for t in tiers:
         cores = f"{t.cores:.2f}" if t.cores is not None else "GPU"
         lines.append(
             f"{t.name:<18}{_n(t.load) + ' ' + t.unit:>28}{cores:>8}{t.replicas:>10}   "
             f"{_n(t.per_replica)} {t.unit}"
         )
-    if not engines.prefill_tokens_per_s or not engines.decode_streams:
+    if len(tiers) < len(PROCESSES) + 2:
         lines.append(
-            "(generate pools: give --prefill-tokens-per-s, --decode-streams and "
+            "(generate pools: give --prefill-tokens-per-s, or --decode-streams and "
             "--stream-tokens-per-s, measured on their GPU)"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
