@@ -10,7 +10,7 @@ COPY shared ./shared
 COPY services ./services
 COPY proxy ./proxy
 COPY launch ./launch
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir ".[postgres]" \
     && groupadd --gid 10001 tokenline \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp tokenline
 USER 10001:10001

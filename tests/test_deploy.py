@@ -38,6 +38,7 @@ VLLM_VERSION = next(
 TOKENLINE_IMAGE = f"tokenline:{VERSION}"
 VLLM_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"
 GENERATE = ("generate-prefill", "generate-decode")
+POSTGRES_IMAGE = "postgres:17.6"  # the proxies' response store
 UNREACHABLE = ("0.0.0.0", "localhost", "127.0.0.1", "::")
 Compose = dict[str, Any]
 
@@ -80,7 +81,7 @@ def test_compose_matches_the_specification(compose: Compose) -> None:
         COMPOSE_SCHEMA, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER
     )
     validator.validate(compose)
-    assert set(compose["services"]) == {"render", "derender", "proxy", *GENERATE}
+    assert set(compose["services"]) == {"render", "derender", "proxy", "postgres", *GENERATE}
 
 
 def test_compose_tokenline_commands_exist_in_the_cli(compose: Compose) -> None:
@@ -116,7 +117,7 @@ def test_compose_generate_pools_use_vllm_with_nixl_and_gpus(compose: Compose) ->
     models = {
         _flag(s["command"], "--model") or s["command"][0]
         for n, s in compose["services"].items()
-        if n != "proxy"
+        if n not in ("proxy", "postgres")
     }
     assert len(models) == 1, "one model setting shared by all"
 
@@ -182,7 +183,7 @@ def hardening_violations(compose: Compose, raw: Compose) -> list[str]:
     found = []
     for name, service in compose["services"].items():
         image = service["image"]
-        if image not in (TOKENLINE_IMAGE, VLLM_IMAGE):
+        if image not in (TOKENLINE_IMAGE, VLLM_IMAGE, POSTGRES_IMAGE):
             found.append(f"{name}: image {image} is not {TOKENLINE_IMAGE} or {VLLM_IMAGE}")
         if service.get("cap_drop") != ["ALL"]:
             found.append(f"{name}: capabilities not dropped")
@@ -287,7 +288,7 @@ def test_compose_proxy_refuses_to_start_open_by_accident(compose: Compose) -> No
 
 def test_tokenizer_image_has_no_engine_and_no_root() -> None:
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert "pip install --no-cache-dir ." in dockerfile
+    assert 'pip install --no-cache-dir ".[postgres]"' in dockerfile  # the response store
     assert not re.search(
         r"vllm|torch",
         dockerfile.split("FROM", 1)[1].split("ENTRYPOINT")[0].replace("No torch, no vLLM", ""),

@@ -64,7 +64,12 @@ def open_store(url: str) -> Store:
     """The store `url` names (not opened yet): `postgresql://…` (or `postgres://…`), or
     `sqlite:///path` / a plain path for a SQLite file."""
     if url.startswith(("postgresql://", "postgres://")):
-        from tokenline.proxy.store.postgres import PostgresStore
+        try:
+            from tokenline.proxy.store.postgres import PostgresStore
+        except ImportError as exc:
+            raise SystemExit(
+                f"a PostgreSQL store needs psycopg: pip install 'tokenline[postgres]' ({exc})"
+            ) from exc
 
         return PostgresStore(url)
     from tokenline.proxy.store.sqlite import SqliteStore
