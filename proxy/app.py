@@ -28,6 +28,7 @@ from tokenline.proxy.api.completions import (
     chat_completions,
     completions,
 )
+from tokenline.proxy.api.messages import add_messages_routes
 from tokenline.proxy.api.responses import add_responses_routes
 from tokenline.proxy.api.tokenize import add_utility_routes
 from tokenline.proxy.client.derender import BatchedDerender, DerenderTransport, HttpDerender
@@ -203,6 +204,8 @@ def auth_middleware(api_key: str | None) -> object:
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if expected is not None and request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "").encode()
+            if not given and (key := request.headers.get("x-api-key")):  # Anthropic's clients
+                given = b"Bearer " + key.encode()
             if not hmac.compare_digest(given, expected):
                 return error_response(
                     Unauthorized("Unauthorized: a valid Bearer API key is required")
@@ -302,6 +305,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(hops_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    add_messages_routes(app)
     app.router.add_get("/v1/models", models)
     add_utility_routes(app)
     add_responses_routes(app, config.store)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
-from tokenline.services.render import tokenize, worker
+from tokenline.services.render import messages, tokenize, worker
 from tokenline.services.render.config import RenderConfig
 from tokenline.services.render.metrics import RenderMetrics
 from tokenline.services.render.render import RenderSettings
@@ -107,7 +107,13 @@ async def executor_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _render(request: web.Request, pick: Callable[[RenderState], RenderFn]) -> web.Response:
-    body = await read_json_body(request)
+    return await render_body(request, await read_json_body(request), pick)
+
+
+async def render_body(
+    request: web.Request, body: bytes, pick: Callable[[RenderState], RenderFn]
+) -> web.Response:
+    """`body` rendered by `pick`'s function (a chat or completions request's JSON)."""
     state = request.app[STATE]
     rid = request.headers.get("X-Request-Id")
     if state.inline and len(body) <= INLINE_BODY:
@@ -147,6 +153,7 @@ def make_app(config: RenderConfig) -> web.Application:
     app.cleanup_ctx.append(metrics.loop.ctx)
     app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/v1/completions/render", completion_render)
+    app.router.add_post("/v1/messages/render", messages.messages_render)
     app.router.add_post("/tokenize", tokenize_route)
     add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app
