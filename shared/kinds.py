@@ -57,10 +57,11 @@ DERENDER_READS = (
 )
 """The client request fields derender reads (a test keeps this in step with derender's code):
 a stream's derender calls carry only these, not the whole client body with every chunk."""
-DERENDER_FIRST_READS = ("messages", "prompt")
+DERENDER_FIRST_READS = ("messages", "prompt", "max_tokens")
 """The prompt fields derender also reads, for a choice's first chunk only (its role, its echo):
-a completions call carries the prompt it echoes (`Kind.first_fields`), the others a stub. (The
-proxy shows a chat stream's role and echo itself, so its calls all carry the stub.)"""
+a completions call carries the prompt it echoes (`Kind.first_fields`; `max_tokens` when it is
+0, an echo alone), the others a stub. (The proxy shows a chat stream's role and echo itself, so
+its calls all carry the stub.)"""
 
 
 RESPONSE_ROLE = "assistant"
@@ -95,8 +96,12 @@ def _chat_first(client: Any, p: int) -> dict[str, Any]:
 
 
 def _completion_first(client: Any, p: int) -> dict[str, Any]:
-    """Prompt `p` alone, as sent, when it is echoed."""
-    return {"prompt": nth_prompt(client.prompt, p)} if client.echo else {}
+    """Prompt `p` alone, as sent, when it is echoed; with `max_tokens` 0 too, which shows the
+    prompt alone (the one token the engine samples comes in this same first call)."""
+    if not client.echo:
+        return {}
+    first = {"prompt": nth_prompt(client.prompt, p)}
+    return first | {"max_tokens": 0} if client.max_tokens == 0 else first
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,9 @@ class SamplingFields(Wire, kw_only=True):
     ec_transfer_params: Any = None
     repetition_detection: Any = None
     thinking_token_budget: Any = None
+    """vLLM's cap on reasoning tokens: a non-negative int, or -1 (no cap); render checks it as
+    vLLM does and passes it on, and the engine enforces it (an engine without a reasoning
+    parser refuses it)."""
     stream_interval: Any = None
 
 
@@ -188,7 +191,6 @@ NOT_HONOURED: dict[str, tuple[Any, ...]] = {
     "return_mm_kwargs": (None, False),
     "ec_transfer_params": (None,),
     "repetition_detection": (None,),
-    "thinking_token_budget": (None,),
     "stream_interval": (None, 1),
     "media_io_kwargs": (None,),
     "mm_processor_kwargs": (None,),
@@ -267,12 +269,16 @@ def nth_prompt(prompt: Prompt, p: int) -> str | list[Any]:
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    """OpenAI's legacy default; an explicit null also means 16 (as in vLLM)."""
+    max_tokens: Annotated[int, Meta(ge=0)] | None = 16
+    """OpenAI's legacy default; an explicit null also means 16 (as in vLLM). 0: only with
+    `echo`, which then shows the prompt alone."""
     logprobs: Annotated[int, Meta(ge=-1)] | bool | None = None
     """`true`/`false` are read as 1/0, as vLLM's (lax) request model reads them."""
     suffix: str | None = None
     prompt_embeds: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    """Not in vLLM's completion model, yet read by its render (and refused unless empty)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.logprobs, bool):
@@ -317,6 +323,7 @@ class SamplingParams(Out, kw_only=True):
     extra_args: dict[str, Any] | None = None
     output_kind: int = 0
     skip_clone: bool = False
+    thinking_token_budget: int | None = None
 
 
 class GenerateRequest(Wire, kw_only=True):

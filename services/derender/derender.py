@@ -25,7 +25,7 @@ from tokenline.services.derender.bounds import (
     model_name,
 )
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
-from tokenline.services.derender.echo import Echo, completion_echo
+from tokenline.services.derender.echo import Echo, completion_echo, echo_only
 from tokenline.services.derender.logprobs import decoded_prompt_logprobs
 from tokenline.services.derender.parsing import ChatParsing, delta_fields
 from tokenline.services.derender.parts import (
@@ -165,7 +165,12 @@ def _completion_stream_choice(
 ) -> CompletionStreamChoice:
     request: CompletionRequest | None = call.request
     echo = _stream_echo(call)
-    logprobs = completion_logprobs(call.tok, out, request, None if echo is None else echo.end())
+    shown = not echo_only(request)
+    logprobs = (
+        completion_logprobs(call.tok, out, request, None if echo is None else echo.end())
+        if shown
+        else None
+    )
     if echo is not None:
         logprobs = echo.joined(logprobs)
     if logprobs is not None and logprobs.tokens:
@@ -173,7 +178,7 @@ def _completion_stream_choice(
         call.state.text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
     return CompletionStreamChoice(
         index=index,
-        text=out.text if echo is None else echo.text + out.text,
+        text=(echo.text if echo is not None else "") + (out.text if shown else ""),
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,

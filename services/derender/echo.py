@@ -52,6 +52,12 @@ class Echo:
         return lp.text_offset[-1] + len(lp.tokens[-1]) if lp is not None and lp.tokens else 0
 
 
+def echo_only(request: CompletionRequest | None) -> bool:
+    """`echo` with `max_tokens` 0: the answer shows the prompt alone (render asks the engine
+    for one token, which counts in the usage and sets the finish reason, as in vLLM)."""
+    return request is not None and request.echo and request.max_tokens == 0
+
+
 def prompt_text(tok: ModelTokenizer, request: CompletionRequest, p: int) -> str:
     """Prompt `p` as vLLM echoes it: the text sent, or the IDs sent decoded with special tokens
     kept (before any truncation, as vLLM decodes them); nothing with `return_token_ids`."""

@@ -14,7 +14,7 @@ from tokenline.services.derender.bounds import (
     model_name,
 )
 from tokenline.services.derender.choice import ChoiceOptions, ChoiceOutput, ChoiceState
-from tokenline.services.derender.echo import Echo, completion_echo
+from tokenline.services.derender.echo import Echo, completion_echo, echo_only
 from tokenline.services.derender.logprobs import decoded_prompt_logprobs
 from tokenline.services.derender.parsing import ChatParsing, tool_calls_of
 from tokenline.services.derender.parts import (
@@ -243,10 +243,15 @@ def _completion_choice(
 ) -> CompletionChoice:
     """One choice of a whole completion; with `echo`, its prompt's text and logprobs first."""
     echo = prompt.echo
-    logprobs = completion_logprobs(tok, out, request, None if echo is None else echo.end())
+    shown = not echo_only(request)
+    logprobs = (
+        completion_logprobs(tok, out, request, None if echo is None else echo.end())
+        if shown
+        else None
+    )
     return CompletionChoice(
         index=index,
-        text=out.text if echo is None else echo.text + out.text,
+        text=(echo.text if echo is not None else "") + (out.text if shown else ""),
         logprobs=logprobs if echo is None else echo.joined(logprobs),
         finish_reason=out.finish_reason or "stop",
         stop_reason=out.stop_reason,

@@ -22,7 +22,12 @@ from tokenline.services.render.tools import (
 )
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.tokenizer import ModelTokenizer
-from tokenline.shared.wire import ChatCompletionRequest, ChatMessage, TokenizeRequest
+from tokenline.shared.wire import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+)
 
 if TYPE_CHECKING:
     from tokenline.services.render.render import RenderSettings
@@ -150,7 +155,9 @@ def chat_checks(request: ChatCompletionRequest, settings: RenderSettings) -> Non
     refuse_media_kwargs(request)
 
 
-def refuse_media_kwargs(request: ChatCompletionRequest | TokenizeRequest) -> None:
+def refuse_media_kwargs(
+    request: ChatCompletionRequest | CompletionRequest | TokenizeRequest,
+) -> None:
     """vLLM refuses these unless started with --trust-request-mm-kwargs; tokenline has no such
     flag (its models take text only). Empty ones ask for nothing, and pass, as in vLLM."""
     for name in MEDIA_KWARGS:

@@ -23,7 +23,12 @@ from tokenline.services.render.bounds import (
     check_prompt_chars,
     check_stops,
 )
-from tokenline.services.render.chat import MEDIA_KWARGS, chat_checks, chat_prompt
+from tokenline.services.render.chat import (
+    MEDIA_KWARGS,
+    chat_checks,
+    chat_prompt,
+    refuse_media_kwargs,
+)
 from tokenline.services.render.constraints import constraint_of
 from tokenline.services.render.reasoning import effective_template_kwargs, reasoning_fields
 from tokenline.services.render.sampling import (
@@ -83,7 +88,7 @@ def check_model(model: str | None, settings: RenderSettings) -> str:
 def _refuse_not_honoured(request: SamplingFields) -> None:
     """A vLLM field tokenline cannot honour is a 400 naming it, never silently ignored."""
     for name, unset in NOT_HONOURED.items():
-        if name in MEDIA_KWARGS:  # refused by vLLM's own rule, empty ones pass (chat)
+        if name in MEDIA_KWARGS:  # refused by vLLM's own rule, empty ones pass
             continue
         value = getattr(request, name, None)
         if value is None and None in unset:  # not sent: nearly always, so checked first
@@ -340,6 +345,15 @@ def _check_embeds(request: CompletionRequest) -> None:
         )
 
 
+def _completion_max_tokens(request: CompletionRequest) -> int:
+    """The request's `max_tokens` (null: OpenAI's 16); 0 only with `echo` (vLLM's rule)."""
+    if request.max_tokens is None:
+        return 16
+    if request.max_tokens == 0 and not request.echo:
+        raise BadRequest("max_tokens must be at least 1, got 0.", param="max_tokens")
+    return request.max_tokens
+
+
 def render_completion(
     request: CompletionRequest,
     tok: ModelTokenizer,
@@ -351,6 +365,7 @@ def render_completion(
     model = request.model
     _check_suffix(request)
     _check_embeds(request)
+    refuse_media_kwargs(request)  # vLLM reads them off its completion requests too
     _common_checks(request)
     if request.logprobs is not None and request.logprobs > MAX_LOGPROBS:
         raise BadRequest(
@@ -361,12 +376,15 @@ def render_completion(
     base = "cmpl-" + (header_request_id or request.request_id or random_id())
     out = []
     for i, ids in enumerate(prompts):
-        max_tokens = max_tokens_for(
-            request.max_tokens or 16,
-            "max_tokens",
-            len(ids),
-            settings.max_model_len,
-            tok.generation_defaults(),
+        max_tokens = max(
+            max_tokens_for(
+                _completion_max_tokens(request),
+                "max_tokens",
+                len(ids),
+                settings.max_model_len,
+                tok.generation_defaults(),
+            ),
+            1,  # echo alone: the engine still samples one token, which the answer hides
         )
         check_logprob_entries(
             request.logprobs, max_tokens, len(prompts) * request.n, settings.bounds, "logprobs"

@@ -133,6 +133,19 @@ def prompt_logprobs_of(
     return asked
 
 
+def thinking_budget(value: Any) -> int | None:
+    """vLLM's `validate_thinking_token_budget`: a non-negative int caps the reasoning tokens
+    (the engine counts and ends them, with its reasoning parser), -1 and null cap nothing."""
+    if value is None:
+        return None
+    if type(value) is not int or value < -1:
+        raise BadRequest(
+            "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+            param="thinking_token_budget",
+        )
+    return None if value == -1 else value
+
+
 def sampling_params(
     request: ChatCompletionRequest | CompletionRequest,
     *,
@@ -170,6 +183,7 @@ def sampling_params(
         extra_args=_checked_xargs(request.vllm_xargs),
         output_kind=OUTPUT_DELTA if request.stream else OUTPUT_FINAL_ONLY,
         skip_clone=True,
+        thinking_token_budget=thinking_budget(request.thinking_token_budget),
     )
     _check_values(params)
     return params

@@ -39,6 +39,11 @@ COMPLETION_ECHO: list[dict[str, Any]] = [
     # vLLM echoes the prompt as sent, the logprobs of the tokens kept
     {"prompt": UNICODE, "truncate_prompt_tokens": 6, "logprobs": 1, **GREEDY},
     {"prompt": [1, 42, 75, 299, 2, 90], "truncate_prompt_tokens": 3, "logprobs": 0, **GREEDY},
+    # max_tokens 0: the prompt alone (the engine samples one token, counted, never shown)
+    {"prompt": UNICODE, **GREEDY, "max_tokens": 0},
+    {"prompt": UNICODE, "logprobs": 2, **GREEDY, "max_tokens": 0},
+    {"prompt": [TEXTS[0], TEXTS[7]], "logprobs": 1, **SAMPLED, "max_tokens": 0},
+    {"prompt": TEXTS[2], "return_token_ids": True, **GREEDY, "max_tokens": 0},
 ]
 SAMPLED_LOGPROBS: dict[str, Any] = {"prompt": TEXTS[5], "logprobs": 2, **SAMPLED}
 """Streamed, monolithic vLLM fails this one mid-stream (an internal error naming a prompt

@@ -93,6 +93,21 @@ def compare(theirs: dict[str, Any], mine: dict[str, Any], i: int) -> None:
         assert mine["stream_options"] == theirs["stream_options"]
 
 
+def rendered_differently(theirs: Any, mine: Any) -> str | None:
+    """How tokenline's rendering (one generate request, or a list: one per prompt) differs
+    from vLLM's, if it does."""
+    for t, m in zip(
+        theirs if isinstance(theirs, list) else [theirs],
+        mine if isinstance(mine, list) else [mine],
+        strict=True,
+    ):
+        try:
+            compare(t, m, 0)
+        except AssertionError as exc:
+            return f"rendered differently: {exc}"
+    return None
+
+
 async def test_chat_render_matches_vllm(
     fleet: Fleet, render_client: TestClient, served: str
 ) -> None:
