@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import Counter
 
-from tokenline.services.render import messages, tokenize, worker
+from tokenline.services.render import messages, responses, tokenize, worker
 from tokenline.services.render.config import RenderConfig
 from tokenline.services.render.metrics import RenderMetrics
 from tokenline.services.render.render import RenderSettings
@@ -154,6 +154,7 @@ def make_app(config: RenderConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/v1/completions/render", completion_render)
     app.router.add_post("/v1/messages/render", messages.messages_render)
+    app.router.add_post("/v1/responses/render", responses.responses_render)
     app.router.add_post("/tokenize", tokenize_route)
     add_service_routes(app, metrics, lambda a: a[STATE].settings)
     return app
