@@ -11,9 +11,10 @@ tiny models and SmolLM2 among them.
 The weights are seeded random numbers (numpy; no torch, no peft): the same base, settings and
 seed give byte-identical files. Their size is set by `scale`, not by chance: the update PEFT
 applies, ΔW = lora_alpha / r · B·A, maps an input of RMS 1 to an output of RMS about `scale`,
-whatever the rank, alpha and width. The default changes a model's greedy output within a few
-tokens (the test models' attention projections have a gain of ~1.7, SmolLM2's ~1-2);
-`scale=0` makes an adapter that changes nothing.
+whatever the rank, alpha and width. The base's own attention projections have gains of ~1.7
+(the test models) and ~1.5-7 (SmolLM2), so the default changes a greedy answer within a few
+tokens: on SmolLM2 "The capital of France is Paris." becomes other text, which scale 0.25 leaves
+as it is. `scale=0` makes an adapter that changes nothing.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class Shapes:
     def from_config(cls, cfg: dict[str, Any]) -> Shapes:
         def need(key: str) -> int:
             value = cfg.get(key)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AdapterError(f"config.json: {key} must be a positive integer, not {value!r}")
             return value
 
