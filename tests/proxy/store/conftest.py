@@ -1,6 +1,7 @@
 """Real databases for the store's tests: SQLite in a tmp file, and a PostgreSQL server started
 once per session (its binaries, found on PATH), with a fresh database per test made by
-pytest-postgresql's `DatabaseJanitor`."""
+pytest-postgresql's `DatabaseJanitor`. The PostgreSQL tests are `slow` (a server: not in the
+fast run)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def pg_url(pg_server: PgServer) -> Iterator[str]:
         yield pg_server.url(dbname)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Each store test runs on both databases."""
     if request.param == "sqlite":

@@ -103,6 +103,7 @@ async def test_sqlite_unwritable_path_is_unavailable(tmp_path: Path) -> None:
     await store.close()
 
 
+@pytest.mark.slow
 async def test_postgres_down_is_unavailable_then_recovers(pg_server: PgServer, pg_url: str) -> None:
     closed = f"postgresql://postgres@127.0.0.1:{_closed_port()}/x"
     store = open_store(closed)
@@ -115,6 +116,7 @@ async def test_postgres_down_is_unavailable_then_recovers(pg_server: PgServer, p
         assert await store.get(ALICE, "resp_1") == record()
 
 
+@pytest.mark.slow
 async def test_postgres_migrates_once_when_proxies_start_together(pg_url: str) -> None:
     import asyncio
 
