@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import signal
 import tempfile
@@ -23,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -38,7 +40,7 @@ from tokenline.launch.process import (
 from tokenline.services.derender.parsers.adjust import ParserFlags
 from tokenline.services.derender.parsers.registry import ReasoningParserName, ToolParserName
 from tokenline.services.generate.launcher import GenerateConfig, Role, command, environment
-from tokenline.shared.config import CommandLine, NonNegative, Port, Positive, Seconds
+from tokenline.shared.config import CommandLine, NonNegative, Option, Port, Positive, Seconds
 from tokenline.shared.tracing import traces_endpoint
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenline"
@@ -50,10 +52,11 @@ STABLE_S = 60.0  # healthy this long after a restart: the next exit starts the b
 class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """`tokenline up`'s settings."""
 
-    model: str | None = None
-    """Model directory (default: the offline tiny model, built if missing)."""
-    served_model_name: str | None = None
-    """The name the model answers to (default: the model directory's name)."""
+    model: tuple[str, ...] = ()
+    """Model directory; again for each further model, each with pools of its own (default:
+    the offline tiny model, built if missing). The first is the default model."""
+    served_model_name: tuple[str, ...] = ()
+    """The name each model answers to, in --model's order (default: its directory's name)."""
     render: Positive = 1
     """Render replicas."""
     derender: Positive = 1
@@ -90,9 +93,23 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's tool-call parser, for render, derender and the engines (unset: none)."""
     reasoning_parser: ReasoningParserName | None = None
     """vLLM's reasoning parser, for render, derender and the engines (unset: none)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (vLLM's flag, for every model's engines; the proxy loads and
+    unloads them at run time when it has an API key)."""
+    lora_modules: tuple[str, ...] = ()
+    """vLLM's --lora-modules: `name=path`, or JSON with `base_model_name` for a model but the
+    first."""
+    max_loras: Positive | None = None
+    """vLLM's --max-loras: adapters in one batch."""
+    max_lora_rank: Positive | None = None
+    """vLLM's --max-lora-rank."""
 
     def __post_init__(self) -> None:
         _ = self.parsers  # building them checks the flags together
+        if len(self.served_model_name) > max(len(self.model), 1):
+            raise ValueError("more --served-model-name than --model")
+        if (self.lora_modules or self.max_loras or self.max_lora_rank) and not self.enable_lora:
+            raise ValueError("--lora-modules, --max-loras and --max-lora-rank need --enable-lora")
 
     @property
     def pd(self) -> bool:
@@ -107,7 +124,23 @@ class UpConfig(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-CLI = CommandLine(UpConfig)
+CLI = CommandLine(
+    UpConfig,
+    {
+        "model": Option(repeat=True),
+        "served_model_name": Option(repeat=True),
+        "lora_modules": Option(repeat=True),
+    },
+)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One model `up` serves: its directory, its name, the flags its engines get for LoRA."""
+
+    path: Path
+    name: str
+    lora: tuple[str, ...] = ()
 
 
 KV_EVENTS_OFFSET = 1000
@@ -124,29 +157,31 @@ def _service(name: str, argv: list[str], port: int, env: dict[str, str] | None =
     return Process(name, argv, port, env=env, output="relay")
 
 
-def _roles(up: UpConfig) -> list[tuple[str, Role]]:
+def _roles(up: UpConfig, prefix: str = "") -> list[tuple[str, Role]]:
     """(name, role) of every engine: `generate-prefill-0`, ..., `generate-decode-0`, ..."""
     if not up.pd:
-        return [(f"generate-{i}", "both") for i in range(up.decode)]
+        return [(f"{prefix}generate-{i}", "both") for i in range(up.decode)]
     prefill: list[tuple[str, Role]] = [
-        (f"generate-prefill-{i}", "prefill") for i in range(up.prefill)
+        (f"{prefix}generate-prefill-{i}", "prefill") for i in range(up.prefill)
     ]
-    return [*prefill, *((f"generate-decode-{i}", "decode") for i in range(up.decode))]
+    return [*prefill, *((f"{prefix}generate-decode-{i}", "decode") for i in range(up.decode))]
 
 
-def _engines(up: UpConfig, model: Path, served: str, events: Path | None) -> list[Process]:
+def _engines(
+    up: UpConfig, model: Served, events: Path | None, prefix: str = "", first_core: int = 0
+) -> list[Process]:
     """The generate engines; P/D ones pinned to cores in turn (a prefill holding KV
     busy-steps and starves a peer on its core)."""
     cores = os.cpu_count() or 1
     engines = []
-    for k, (name, role) in enumerate(_roles(up)):
+    for k, (name, role) in enumerate(_roles(up, prefix), start=first_core):
         config = GenerateConfig(
-            model=str(model),
+            model=str(model.path),
             role=role,
             tokens_only=up.tokens_only,
             port=free_port(),
             kv_events_ipc=None if events is None else str(events),
-            served_model_name=served,
+            served_model_name=model.name,
             max_model_len=up.max_model_len,
             cpu_cores=str(k % cores) if up.pd else None,
             nixl_port=free_port() if up.pd else None,
@@ -154,7 +189,7 @@ def _engines(up: UpConfig, model: Path, served: str, events: Path | None) -> lis
             otlp_traces_endpoint=traces_endpoint(),  # vLLM's spans, where OTEL_* send ours
             # the engine's reasoning parser decides when structured outputs start; a
             # tokens-only engine has no tokenizer to parse with (and takes no constraint)
-            extra_args=() if up.tokens_only else tuple(up.parsers.argv()),
+            extra_args=(*(() if up.tokens_only else up.parsers.argv()), *model.lora),
         )
         engine = _service(name, command(config), config.port, env=environment(config))
         engine.stuck_on = ENGINE_STUCK
@@ -182,40 +217,105 @@ def _loopback(host: str) -> bool:
 
 
 def plan(
-    up: UpConfig, model: Path, served: str, events: Path | None = None
+    up: UpConfig, models: list[Served], events: Path | None = None
 ) -> tuple[list[Process], Process]:
-    """The backend services (engines first) and the proxy in front of them. With `events`, a
-    directory only this user can enter, the engines publish their KV events on unix sockets
-    there and the proxy follows them: vLLM 0.32 binds a TCP publisher only on every interface
-    (to a named host it connects out, as the proxy does, and nothing flows), and the events
-    carry every prompt's token IDs."""
-    common = ["--model", str(model), "--served-model-name", served]
-    common += ["--max-model-len", str(up.max_model_len)]
-    backends = _engines(up, model, served, events)
-    for kind, count in (("render", up.render), ("derender", up.derender)):
-        for i in range(count):
-            port = free_port()
-            argv = child_argv(kind, *common, *up.parsers.argv(), "--port", str(port))
-            backends.append(_service(f"{kind}-{i}", argv, port))
-
-    def urls(prefix: str) -> list[str]:
-        return [s.url for s in backends if s.name.startswith(prefix)]
-
+    """The backend services (engines first) and the proxy in front of them: each model with
+    pools of its own (its services' names prefixed with its name when there are several; the
+    proxy reads them from a models file in `events`). With `events`, a directory only this user
+    can enter, the engines publish their KV events on unix sockets there and the proxy follows
+    them: vLLM 0.32 binds a TCP publisher only on every interface (to a named host it connects
+    out, as the proxy does, and nothing flows), and the events carry every prompt's token IDs."""
+    backends: list[Process] = []
+    pools: list[dict[str, Any]] = []
+    pinned = 0  # engines so far: the next model's are pinned from the next core on
+    for model in models:
+        prefix = f"{model.name}-" if len(models) > 1 else ""
+        engines = _engines(up, model, events, prefix, first_core=pinned)
+        pinned += len(engines)
+        common = ["--model", str(model.path), "--served-model-name", model.name]
+        common += ["--max-model-len", str(up.max_model_len), *up.parsers.argv()]
+        tiers = [
+            _service(f"{prefix}{kind}-{i}", child_argv(kind, *common, "--port", str(p)), p)
+            for kind, count in (("render", up.render), ("derender", up.derender))
+            for i, p in ((i, free_port()) for i in range(count))
+        ]
+        backends += [*engines, *tiers]
+        pools.append(_pools(model.name, engines, tiers, prefix))
     argv = child_argv("proxy", "--host", up.host, "--port", str(up.port), *_proxy_access(up))
     argv += ["--drain-timeout", str(up.drain_timeout)]
-    argv += ["--render", *urls("render"), "--derender", *urls("derender")]
     argv += ["--derender-transport", "batched"]  # its derenders are tokenline's own
     if events is not None:
         argv += ["--kv-events-ipc", str(events)]
     if up.tokens_only:
         argv.append("--generate-tokens-only")
-    if up.pd:
-        argv += ["--decode", *urls("generate-decode"), "--prefill", *urls("generate-prefill")]
-    else:
-        argv += ["--decode", *urls("generate")]
+    argv += _proxy_pools(pools, events)
     proxy = _service("proxy", argv, up.port)
     proxy.ready = (200, 503)  # up, if a pool is still degraded; its own log says which
     return backends, proxy
+
+
+def _pools(name: str, engines: list[Process], tiers: list[Process], prefix: str) -> dict[str, Any]:
+    def urls(services: list[Process], kind: str) -> list[str]:
+        return [s.url for s in services if s.name.startswith(prefix + kind)]
+
+    decode = urls(engines, "generate-decode") or urls(engines, "generate")
+    return {
+        "name": name,
+        "render": urls(tiers, "render"),
+        "derender": urls(tiers, "derender"),
+        "prefill": urls(engines, "generate-prefill"),
+        "decode": decode,
+    }
+
+
+def _proxy_pools(pools: list[dict[str, Any]], where: Path | None) -> list[str]:
+    """The proxy's pool flags: one model's replicas, or a models file naming each model's."""
+    if len(pools) == 1:
+        (one,) = pools
+        argv = ["--render", *one["render"], "--derender", *one["derender"]]
+        argv += ["--decode", *one["decode"]]
+        return argv + (["--prefill", *one["prefill"]] if one["prefill"] else [])
+    if where is None:
+        raise ValueError("several models need a directory for the proxy's models file")
+    models_file = where / "models.json"
+    models_file.write_text(json.dumps({"models": pools}, indent=1))
+    return ["--models-file", str(models_file)]
+
+
+def served_models(up: UpConfig) -> list[Served]:
+    """The models `up` serves, each with the LoRA flags its engines get."""
+    if not up.model:
+        say("[up] no --model: using the offline tiny model (building it if needed)")
+        paths = [build("tiny", CACHE / "models" / "tiny")]
+        names = ["tiny"]
+    else:
+        paths = [Path(m) for m in up.model]
+        names = [*up.served_model_name, *(p.name for p in paths[len(up.served_model_name) :])]
+    modules = _lora_modules(up.lora_modules, names)
+    return [Served(p, n, _lora_flags(up, modules[n])) for p, n in zip(paths, names, strict=True)]
+
+
+def _lora_modules(given: tuple[str, ...], names: list[str]) -> dict[str, list[str]]:
+    """Each model's --lora-modules: `name=path` for the first model, JSON for the one its
+    `base_model_name` names."""
+    out: dict[str, list[str]] = {n: [] for n in names}
+    for module in given:
+        base = names[0]
+        if module.lstrip().startswith("{"):
+            base = json.loads(module).get("base_model_name") or base
+        if base not in out:
+            raise SystemExit(f"--lora-modules {module!r}: no model is served as {base!r}")
+        out[base].append(module)
+    return out
+
+
+def _lora_flags(up: UpConfig, modules: list[str]) -> tuple[str, ...]:
+    if not up.enable_lora:
+        return ()
+    flags = ["--enable-lora"]
+    flags += ["--max-loras", str(up.max_loras)] if up.max_loras else []
+    flags += ["--max-lora-rank", str(up.max_lora_rank)] if up.max_lora_rank else []
+    return (*flags, *(["--lora-modules", *modules] if modules else []))
 
 
 def backoff(restarts: int) -> float:
@@ -276,14 +376,6 @@ def _waiting(pending: list[Process], waited: float) -> None:
     say(f"[up] waiting for {', '.join(p.name for p in pending)} ({waited:.0f} s)")
 
 
-def _model(up: UpConfig) -> tuple[Path, str]:
-    if up.model is None:
-        say("[up] no --model: using the offline tiny model (building it if needed)")
-        return build("tiny", CACHE / "models" / "tiny"), "tiny"
-    model = Path(up.model)
-    return model, up.served_model_name or model.name
-
-
 def _supervise(everything: list[Process], stopping: threading.Event) -> int:
     """Restart whatever exits, until Ctrl-C or SIGTERM (0)."""
     services = [Supervised(p, healthy_since=time.monotonic()) for p in everything]
@@ -295,10 +387,10 @@ def _supervise(everything: list[Process], stopping: threading.Event) -> int:
 
 def run_up(up: UpConfig) -> int:
     _proxy_access(up)  # refuse an open proxy on a public address before building anything
-    model, served = _model(up)
+    models = served_models(up)
     with tempfile.TemporaryDirectory(prefix="tokenline-kv-") as events:  # mode 0700
-        backends, proxy = plan(up, model, served, Path(events))
-        return _run(up, served, backends, proxy)
+        backends, proxy = plan(up, models, Path(events))
+        return _run(up, ", ".join(repr(m.name) for m in models), backends, proxy)
 
 
 def _run(up: UpConfig, served: str, backends: list[Process], proxy: Process) -> int:
@@ -322,7 +414,7 @@ def _run(up: UpConfig, served: str, backends: list[Process], proxy: Process) -> 
             starting.clear()
         say(
             f"[up] tokenline is up: OpenAI endpoint http://{up.host}:{up.port}/v1 "
-            f"(model {served!r}). Ctrl-C stops everything."
+            f"(models {served}). Ctrl-C stops everything."
         )
         return _supervise(everything, stopping)
     except (ProcessExited, TimeoutError) as exc:

@@ -17,13 +17,16 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
+from tokenline.proxy.api.adapters import add_adapter_routes
 from tokenline.proxy.api.admission import Admission
 from tokenline.proxy.api.completions import (
     ADMISSION,
     HOPS,
+    MODELS,
     TOKENS_ONLY,
     chat_completions,
     completions,
@@ -33,9 +36,10 @@ from tokenline.proxy.api.responses import add_responses_routes
 from tokenline.proxy.api.tokenize import add_utility_routes
 from tokenline.proxy.client.derender import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.client.http import Client, Limits
-from tokenline.proxy.client.upstream import translated
-from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.config import ProxyConfig, ServedModel, served_models
 from tokenline.proxy.flow.hops import Hops, Timeouts
+from tokenline.proxy.flow.models import Models, ServedPools
+from tokenline.proxy.flow.upkeep import learn_served, listed, upkept
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.cache_aware import EventPorts, PrefixRouting
 from tokenline.proxy.routing.pool import Pool, Pools, maintained
@@ -114,17 +118,24 @@ class Drain:
 DRAIN = web.AppKey("drain", Drain)
 
 
-def pools_of(config: ProxyConfig) -> Pools:
-    """Every pool; the generate pools' calls (streams, health checks and aborts included) carry
-    `Authorization: Bearer <key>` when the engines want one, and only theirs: render and
-    derender never see the key."""
+def pools_of(config: ProxyConfig, model: ServedModel | None = None) -> Pools:
+    """The pools of one model (None: of the replica flags); the generate pools' calls (streams,
+    health checks and aborts included) carry `Authorization: Bearer <key>` when the engines
+    want one, and only theirs: render and derender never see the key. Pools of a named model
+    are named `role@model` (in logs, errors and metrics)."""
     key = config.generate_api_key
     keyed = {"Authorization": f"Bearer {key}"} if key else {}
+    urls = (
+        (config.render_urls, config.derender_urls, config.prefill_urls, config.decode_urls)
+        if model is None
+        else (model.render, model.derender, model.prefill, model.decode)
+    )
+    suffix = "" if model is None else f"@{model.name}"
     return Pools(
-        render=Pool("render", config.render_urls),
-        derender=Pool("derender", config.derender_urls),
-        prefill=generate_pool("prefill", config.prefill_urls, keyed, config),
-        decode=generate_pool("decode", config.decode_urls, keyed, config),
+        render=Pool("render" + suffix, urls[0]),
+        derender=Pool("derender" + suffix, urls[1]),
+        prefill=generate_pool("prefill" + suffix, urls[2], keyed, config),
+        decode=generate_pool("decode" + suffix, urls[3], keyed, config),
     )
 
 
@@ -158,43 +169,62 @@ def derender_transport(
 async def hops_ctx(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
     timeouts = Timeouts.of(config)
-    pools = pools_of(config)
     client = Client()
+    policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
+    served: list[ServedPools] = []
     try:
-        for pool in pools.all():
-            await pool.resolve()
-            metrics.track_pool(pool.role, pool.in_flight)
-        await asyncio.gather(*(pool.check(client) for pool in pools.all()))
-        await asyncio.gather(*(pool.learn(client) for pool in pools.all()))
-        for pool in (pools.prefill, pools.decode):
-            if pool.routing is not None:
-                metrics.track_routing(pool.role, pool.routing)
-        policy = RetryPolicy(attempts=config.retry_attempts, timeout=config.retry_timeout)
-        derender = derender_transport(
-            config, client, pools.derender, policy, metrics, timeouts.pure
-        )
-        hops = Hops(
-            client,
-            pools,
-            policy,
-            metrics,
-            derender,
-            timeouts,
-            config.prefill_first_token,
-            config.skip_prefill_within,
-        )
-        app[HOPS] = hops
-        try:
-            async with maintained(pools, client, config.health_interval, config.resolve_interval):
-                yield
-        finally:
-            await derender.close()
-            await hops.settle()
+        for model in served_models(config):
+            pools = pools_of(config, model)
+            derender = derender_transport(
+                config, client, pools.derender, policy, metrics, timeouts.pure
+            )
+            hops = Hops(
+                client,
+                pools,
+                policy,
+                metrics,
+                derender,
+                timeouts,
+                config.prefill_first_token,
+                config.skip_prefill_within,
+            )
+            served.append(ServedPools(model.name if model else None, hops))
+        await asyncio.gather(*(_started(s, client, metrics) for s in served))
+        models = app[MODELS] = Models(served)
+        app[HOPS] = served[0].hops
+        async with contextlib.AsyncExitStack() as stack:
+            for s in served:
+                await stack.enter_async_context(
+                    maintained(
+                        s.hops.pools, client, config.health_interval, config.resolve_interval
+                    )
+                )
+            await stack.enter_async_context(upkept(models, client, config.health_interval))
+            yield
     finally:
-        for pool in pools.all():
-            if pool.routing is not None:
-                await pool.routing.close()
+        for s in served:
+            await s.hops.derender.close()
+            await s.hops.settle()
+            for pool in s.hops.pools.all():
+                if pool.routing is not None:
+                    await pool.routing.close()
         await client.close()
+
+
+async def _started(served: ServedPools, client: Client, metrics: ProxyMetrics) -> None:
+    """A model's pools resolved, checked and (cache-aware ones) learned; what its engines
+    serve, read."""
+    pools = served.hops.pools
+    for pool in pools.all():
+        await pool.resolve()
+        metrics.track_pool(pool.role, pool.in_flight)
+    await asyncio.gather(*(pool.check(client) for pool in pools.all()))
+    await asyncio.gather(*(pool.learn(client) for pool in pools.all()))
+    for pool in (pools.prefill, pools.decode):
+        if pool.routing is not None:
+            pool.routing.adapters = served.adapters
+            metrics.track_routing(pool.role, pool.routing)
+    await learn_served(served, client)
 
 
 def auth_middleware(api_key: str | None) -> object:
@@ -266,32 +296,34 @@ def request_log_middleware() -> object:
 
 
 async def health(request: web.Request) -> web.Response:
-    pools = request.app[HOPS].pools
-    drain = request.app[DRAIN]
-    report = {
-        p.role: {
-            "configured": p.configured,
-            "healthy": len(p.serving()),
-            "replicas": len(p.workers),
-            "in_flight": p.in_flight(),
-        }
-        for p in pools.all()
-    }
-    ready = all(p.serving() for p in (pools.render, pools.derender, pools.decode))
-    ready = ready and (not pools.prefill.configured or bool(pools.prefill.serving()))
+    """ "ok" when every model can be served (its render, derender and decode pools, and its
+    prefill pool when it has one, each have a replica in the rotation)."""
+    drain, models = request.app[DRAIN], request.app[MODELS]
+    report: dict[str, Any] = {}
+    ready = True
+    for served in models.served:
+        pools = served.hops.pools
+        for p in pools.all():
+            report[p.role] = {
+                "configured": p.configured,
+                "healthy": len(p.serving()),
+                "replicas": len(p.workers),
+                "in_flight": p.in_flight(),
+            }
+        ready = ready and all(p.serving() for p in (pools.render, pools.derender, pools.decode))
+        ready = ready and (not pools.prefill.configured or bool(pools.prefill.serving()))
     status = "draining" if drain.draining else "ok" if ready else "degraded"
     body = {"status": status, "pools": report, "in_flight": drain.in_flight}
     return json_response(body, status=200 if status == "ok" else 503)
 
 
 async def models(request: web.Request) -> web.Response:
-    hops = request.app[HOPS]
-    worker = hops.pools.render.choose()
-    with translated("render", worker):
-        status, body = await hops.client.fetch(
-            "GET", worker.url + "/v1/models", limits=hops.timeouts.pure
-        )
-    return web.Response(body=body, status=status, content_type="application/json")
+    """vLLM's `/v1/models` for every model: each one's engines list it and its adapters."""
+    listing = await asyncio.gather(
+        *(listed(s, request.app[HOPS].client) for s in request.app[MODELS].served)
+    )
+    cards = [card for cards in listing for card in cards]
+    return json_response({"object": "list", "data": cards})
 
 
 def make_app(config: ProxyConfig) -> web.Application:
@@ -307,6 +339,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     add_messages_routes(app)
     app.router.add_get("/v1/models", models)
+    add_adapter_routes(app, open_=config.api_key is None)
     add_utility_routes(app)
     add_responses_routes(app, config.store)
     app.router.add_get("/health", health)

@@ -18,13 +18,37 @@ Urls = Annotated[tuple[str, ...], msgspec.Meta(min_length=1)]
 REPLICAS = "replica URLs; a hostname with several addresses is several replicas"
 
 
+class ServedModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model behind the proxy: its served name and the replicas of its four pools."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    render: Urls
+    derender: Urls
+    decode: Urls
+    prefill: tuple[str, ...] = ()
+
+
+class ModelsFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`--models-file`: `{"models": [{"name": ..., "render": [urls], "derender": [...],
+    "prefill": [...], "decode": [...]}, ...]}`; the first is the default model."""
+
+    models: Annotated[tuple[ServedModel, ...], msgspec.Meta(min_length=1)]
+
+
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Field order is --help's order (kw_only: required fields need not come first).
-    render_urls: Urls
-    derender_urls: Urls
+    render_urls: Urls = ()  # given: at least one (or a models file instead)
+    derender_urls: Urls = ()
     prefill_urls: tuple[str, ...] = ()
     """Empty: decode instances prefill for themselves."""
-    decode_urls: Urls
+    decode_urls: Urls = ()
+    models_file: str | None = None
+    """Several models: a JSON file naming each model's replicas (`{"models": [{"name",
+    "render", "derender", "prefill", "decode"}, ...]}`, the first the default), instead of
+    --render, --derender, --prefill and --decode for one model. A request goes to the pools of
+    the model it names (or of the base model of the LoRA adapter it names)."""
+    models: tuple[ServedModel, ...] = ()
+    """The models of `models_file` (read by `from_args`)."""
     host: str = "127.0.0.1"
     """Address to listen on."""
     port: Port = 8000
@@ -71,6 +95,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The generate engines publish vLLM's KV events (`--kv-events-config`) on their HTTP port
     plus this offset, and replay them one port above; the proxy then follows what each engine
     stores and evicts. Unset: routing knows what the proxy sent where, lately."""
+    kv_events_ipc: str | None = None
+    """Instead of `kv_events_offset`: the generate engines run on this machine and publish
+    their KV events on unix sockets in this directory, named by their HTTP port (`<port>`,
+    replayed from `<port>.replay`; `tokenline up`, `tokenline generate --kv-events-ipc`)."""
     prefix_hash_seed: str | None = None
     """The generate engines' PYTHONHASHSEED, if they set one: vLLM seeds block hashes with it."""
     skip_prefill_within: NonNegative = 256
@@ -95,10 +123,6 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds generate may take to start answering (a whole answer: to finish it)."""
     stream_idle_timeout: Seconds = 120.0
     """Seconds a generate stream may stay silent between chunks before it counts as hung."""
-    kv_events_ipc: str | None = None
-    """Instead of `kv_events_offset`: the generate engines run on this machine and publish
-    their KV events on unix sockets in this directory, named by their HTTP port (`<port>`,
-    replayed from `<port>.replay`; `tokenline up`, `tokenline generate --kv-events-ipc`)."""
     drain_timeout: Seconds = 30.0
     """Seconds requests in flight get to finish after SIGTERM (new ones get 503 meanwhile);
     then the rest are cut and aborted upstream."""
@@ -148,6 +172,7 @@ CLI = CommandLine(
     {f"{role}_urls": _replicas(role) for role in ("render", "derender", "prefill", "decode")}
     | {
         "port": Option(env="TOKENLINE_PORT"),
+        "models_file": Option(env="TOKENLINE_MODELS_FILE"),
         "store": Option(env="TOKENLINE_STORE"),
         "open": Option(env="TOKENLINE_OPEN"),
         "api_key": _key_file("api_key", "the key clients must send"),
@@ -155,6 +180,7 @@ CLI = CommandLine(
     },
     # Tuning kept off the command line until someone needs it: each would be one more flag.
     exclude={
+        "models",
         "resolve_interval",
         "retry_attempts",
         "retry_timeout",
@@ -206,8 +232,59 @@ def from_args(args: argparse.Namespace) -> ProxyConfig:
             var = next(v for v, f in KEY_VARS.items() if f == field)
             raise SystemExit(f"{var} and {CLI.flags[field]} both give a key: give one")
     config = CLI.build(args, **{field: key.strip() for field, key in keys.items()})
+    config = with_models(config)
     if config.api_key is None and not config.open:
         raise SystemExit(CLOSED)
     if config.api_key is not None and config.open:
         raise SystemExit("--open (TOKENLINE_OPEN) and an API key contradict each other")
     return config
+
+
+FLAT = ("render_urls", "derender_urls", "prefill_urls", "decode_urls")
+
+
+def with_models(config: ProxyConfig) -> ProxyConfig:
+    """`config` with the models of its models file read in; SystemExit for a file that cannot
+    be read, for both a file and replica flags, or for neither."""
+    flat = [CLI.flags[f] for f in FLAT if getattr(config, f)]
+    if config.models_file is None:
+        envs = {field: var for var, field in CLI.env_vars.items()}
+        for f in FLAT:
+            if f != "prefill_urls" and not getattr(config, f):
+                raise SystemExit(
+                    f"argument {CLI.flags[f]} (or {envs[f]}) is required "
+                    "(or --models-file, for several models)"
+                )
+        return config
+    if flat:
+        raise SystemExit(f"--models-file names every model's replicas: drop {', '.join(flat)}")
+    return msgspec.structs.replace(config, models=read_models(config.models_file))
+
+
+def read_models(path: str) -> tuple[ServedModel, ...]:
+    try:
+        with open(path, "rb") as f:
+            found = msgspec.json.decode(f.read(), type=ModelsFile)
+    except OSError as exc:
+        raise SystemExit(f"--models-file {path!r}: {exc.strerror or exc}") from None
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise SystemExit(f"--models-file {path!r}: {exc}") from None
+    names = [m.name for m in found.models]
+    if dup := sorted({n for n in names if names.count(n) > 1}):
+        raise SystemExit(f"--models-file {path!r}: model {dup[0]!r} is named twice")
+    return tuple(
+        msgspec.structs.replace(
+            m,
+            render=tuple(map(_url, m.render)),
+            derender=tuple(map(_url, m.derender)),
+            prefill=tuple(map(_url, m.prefill)),
+            decode=tuple(map(_url, m.decode)),
+        )
+        for m in found.models
+    )
+
+
+def served_models(config: ProxyConfig) -> tuple[ServedModel | None, ...]:
+    """The models to serve: the models file's, else one unnamed model of the replica flags
+    (None: its name is whatever its render replicas serve)."""
+    return config.models or (None,)

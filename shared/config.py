@@ -22,11 +22,12 @@ From each field alone:
   a bad environment variable a `SystemExit` that names it.
 
 `Option` changes one field: another flag name, an environment variable read when the flag is
-absent, `nargs="*"`, a separator that splits items (`--render a,b`), or a `parse` function run on
-each item's text first (render reads its `--chat-template` file with one). `exclude` names fields
-kept off the command line: they take the struct's default, or a value passed to `build`. A field
-whose type has no command-line form (a dict, a nested struct) must be excluded or given `parse`;
-`CommandLine` refuses it otherwise, so no field is forgotten.
+absent, `nargs="*"`, a separator that splits items (`--render a,b`), a flag given again adding
+items (`repeat`), or a `parse` function run on each item's text first (render reads its
+`--chat-template` file with one). `exclude` names fields kept off the command line: they take
+the struct's default, or a value passed to `build`. A field whose type has no command-line form
+(a dict, a nested struct) must be excluded or given `parse`; `CommandLine` refuses it otherwise,
+so no field is forgotten.
 
 Defaults never enter argparse (`argparse.SUPPRESS`): the namespace holds only what the command line
 or the environment said, and the struct supplies the rest.
@@ -80,6 +81,9 @@ class Option:
     """Sequence fields: also split each item, and the environment value, on this."""
     parse: Callable[[str], object] | None = None
     """Text -> value before validation, per item (OSError and ValueError become usage errors)."""
+    repeat: bool = False
+    """Sequence fields: the flag may be given again, its items adding up (`--model a --model
+    b`); otherwise the last one given counts."""
 
 
 @dataclass(frozen=True)
@@ -335,9 +339,13 @@ class _Many(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         try:
-            setattr(namespace, self.dest, self.field.convert([str(v) for v in values or ()]))
+            value = self.field.convert([str(v) for v in values or ()])
         except ValueError as exc:
             raise argparse.ArgumentError(self, str(exc)) from None
+        before = getattr(namespace, self.dest, None)
+        if self.field.option.repeat and isinstance(before, tuple | list):
+            value = (*before, *value)
+        setattr(namespace, self.dest, value)
 
 
 def _help(f: _Field) -> str | None:

@@ -4,6 +4,7 @@
     ├── BadRequest               400 BadRequestError          (bad body, field named in `param`)
     │   └── InvalidStreamState   400 BadRequestError          (forged or corrupt stream_state)
     ├── Unauthorized             401 AuthenticationError
+    ├── Forbidden                403 PermissionDeniedError    (adapter loads on an open proxy)
     ├── NotFound                 404 NotFoundError            (unknown model)
     ├── PayloadTooLarge          413 BadRequestError
     ├── Overloaded               429 TooManyRequests

@@ -24,7 +24,9 @@ import pytest
 
 from tokenline.launch.process import Process, free_port
 from tokenline.launch.servers import REPO, VENV_BIN, log_file
-from tokenline.launch.up import UpConfig, backoff, plan
+from tokenline.launch.up import Served, UpConfig, backoff, plan, served_models
+from tokenline.launch.up import add_arguments as add_up_arguments
+from tokenline.launch.up import from_args as up_from_args
 from tokenline.proxy import config as proxy_config
 from tokenline.proxy.routing.cache_aware import EventPorts
 
@@ -282,7 +284,7 @@ def _wait(predicate: Any, timeout: float = 30) -> bool:
 
 def _plan(**settings: Any) -> tuple[list[Process], Process]:
     config = UpConfig(vllm_bin="/opt/vllm/bin/vllm", **settings)
-    return plan(config, Path("/models/m"), "m")
+    return plan(config, [Served(Path("/models/m"), "m")])
 
 
 def _after(argv: list[str], flag: str) -> list[str]:
@@ -317,7 +319,7 @@ def test_up_plans_n_replicas_of_each_generate_pool() -> None:
 def test_up_engines_publish_kv_events_where_its_proxy_subscribes(tmp_path: Path) -> None:
     """vLLM binds (rather than connects) its publisher at an ipc path: nothing on a network
     interface, and the proxy finds each engine's sockets by its HTTP port."""
-    backends, proxy = plan(UpConfig(vllm_bin="vllm", decode=2), Path("/m"), "m", tmp_path)
+    backends, proxy = plan(UpConfig(vllm_bin="vllm", decode=2), [Served(Path("/m"), "m")], tmp_path)
     parser = argparse.ArgumentParser()
     proxy_config.add_arguments(parser, env={})
     config = proxy_config.from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1 :]))
@@ -371,3 +373,69 @@ def test_a_picked_port_is_never_picked_again_in_one_process() -> None:
     if picks were independent."""
     ports = [free_port() for _ in range(1500)]
     assert len(set(ports)) == len(ports)
+
+
+def up_config(*argv: str) -> UpConfig:
+    parser = argparse.ArgumentParser()
+    add_up_arguments(parser)
+    return up_from_args(parser.parse_args(["--vllm-bin", "vllm", *argv]))
+
+
+def _parsed_proxy(proxy: Process) -> proxy_config.ProxyConfig:
+    parser = argparse.ArgumentParser()
+    proxy_config.add_arguments(parser, env={})
+    return proxy_config.from_args(parser.parse_args(proxy.argv[proxy.argv.index("proxy") + 1 :]))
+
+
+def test_up_gives_each_model_pools_of_its_own(tmp_path: Path) -> None:
+    up = up_config(
+        "--model", "/m/chat", "--model", "/m/coder", "--served-model-name", "chat", "--no-pd"
+    )
+    models = served_models(up)
+    assert [(m.path, m.name) for m in models] == [
+        (Path("/m/chat"), "chat"),
+        (Path("/m/coder"), "coder"),
+    ]
+    backends, proxy = plan(up, models, tmp_path)
+    config = _parsed_proxy(proxy)
+    assert [m.name for m in config.models] == ["chat", "coder"]
+    by_url = {b.url: b for b in backends}
+    for model in config.models:
+        for urls, kind in (
+            (model.render, "render"),
+            (model.derender, "derender"),
+            (model.decode, "generate"),
+        ):
+            assert [by_url[u].name for u in urls] == [f"{model.name}-{kind}-0"]
+            served_as = {
+                by_url[u].argv[by_url[u].argv.index("--served-model-name") + 1] for u in urls
+            }
+            assert served_as == {model.name}
+    assert config.render_urls == () and config.decode_urls == ()
+
+
+def test_up_passes_lora_flags_to_the_engines_of_the_adapters_model(tmp_path: Path) -> None:
+    coder_module = json.dumps({"name": "sql", "path": "/l/sql", "base_model_name": "coder"})
+    up = up_config(
+        *("--model", "/m/chat", "--model", "/m/coder", "--enable-lora", "--max-lora-rank", "16"),
+        *("--lora-modules", "a1=/l/a1", "--lora-modules", coder_module),
+    )
+    backends, _ = plan(up, served_models(up), tmp_path)
+    engines = {b.name: b.argv for b in backends if "-generate-" in b.name}
+    assert len(engines) == 4  # a prefill and a decode engine each
+    for name, argv in engines.items():
+        assert "--enable-lora" in argv and _after(argv, "--max-lora-rank") == ["16"]
+        expected = ["a1=/l/a1"] if name.startswith("chat-") else [coder_module]
+        assert _after(argv, "--lora-modules") == expected, name
+    with pytest.raises(SystemExit, match="need --enable-lora"):
+        up_config("--lora-modules", "a1=/l/a1")
+    with pytest.raises(SystemExit, match="no model is served as 'nope'"):
+        served_models(
+            up_config(
+                "--model",
+                "/m/a",
+                "--enable-lora",
+                "--lora-modules",
+                '{"name": "x", "path": "/x", "base_model_name": "nope"}',
+            )
+        )

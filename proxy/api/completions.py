@@ -28,6 +28,7 @@ from aiohttp.web_protocol import RequestHandler
 from tokenline.proxy.api.admission import Admission
 from tokenline.proxy.flow.chunks import StreamFlow
 from tokenline.proxy.flow.hops import Hops
+from tokenline.proxy.flow.models import Models, Target
 from tokenline.proxy.flow.requests import (
     ClientRequest,
     HopHeaders,
@@ -43,6 +44,8 @@ from tokenline.shared.tracing import trace_headers
 from tokenline.shared.wire import JSON
 
 HOPS = web.AppKey("hops", Hops)
+"""The first model's hops (their HTTP client serves every model's)."""
+MODELS = web.AppKey("models", Models)
 TOKENS_ONLY = web.AppKey("generate_tokens_only", bool)
 ADMISSION = web.AppKey("admission", Admission)
 SSE_HEADERS = {
@@ -69,8 +72,8 @@ def _json(chunk: Any) -> Any:
 
 
 def hops_for(request: web.Request, model: str | None) -> Hops:
-    """The hops (pools and clients) that serve `model`."""
-    return request.app[HOPS]
+    """The hops (pools and clients) that serve `model` (NotFound: none does)."""
+    return request.app[MODELS].target(model).hops
 
 
 def hop_headers(request: web.Request) -> HopHeaders:
@@ -92,18 +95,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     raw = await read_json_body(request)
     client: ClientRequest = kind.client_request.decode(raw)  # a bad body: 400 before any hop
+    target = request.app[MODELS].target(client.model)  # an unknown model: 404, as early
+    if target.adapter is not None:
+        raw = target.as_base(raw)
+        client = kind.client_request.decode(raw)
     async with request.app[ADMISSION].slot(client.priority):
-        return await _admitted(request, kind, client, raw)
+        return await _admitted(request, kind, client, raw, target)
 
 
 async def _admitted(
-    request: web.Request, kind: Kind, client: ClientRequest, raw: bytes
+    request: web.Request, kind: Kind, client: ClientRequest, raw: bytes, target: Target
 ) -> web.StreamResponse:
     if not client.stream:
-        answer = await answer_whole(request, kind, client, raw)
-        return web.Response(body=JSON.encode(answer), content_type="application/json")
-    out = EventStream(request)
-    return await out.serve(answer_stream(request, kind, client, raw, out))
+        answer = await answer_whole(request, kind, client, raw, target=target)
+        body = target.renamed(JSON.encode(answer))
+        return web.Response(body=body, content_type="application/json")
+    out = EventStream(request, Renamed(SSE, target) if target.adapter else SSE)
+    return await out.serve(answer_stream(request, kind, client, raw, out, target=target))
 
 
 RenderCall = tuple[Kind, bytes]
@@ -117,10 +125,11 @@ async def answer_whole(
     client: ClientRequest,
     raw: bytes,
     render: RenderCall | None = None,
+    target: Target | None = None,
 ) -> Any:
     """The whole answer to `client` (`raw` its JSON): render, generate (behind prefill), derender.
     The caller holds an admission slot (`ADMISSION`); failures raise `ServiceError`."""
-    hops, headers, rendered = await _rendered(request, kind, client, raw, render)
+    hops, headers, rendered = await _rendered(request, kind, client, raw, render, target)
     with _constraint_named(client):
         return await whole(hops, kind, client, raw, rendered, headers)
 
@@ -132,11 +141,12 @@ async def answer_stream(
     raw: bytes,
     out: Out,
     render: RenderCall | None = None,
+    target: Target | None = None,
 ) -> None:
     """`client`'s stream (`raw` its JSON): every chunk the client should see handed to `out`
     (an `EventStream`, with the API's `Framing`). The caller holds an admission slot; a failure
     raises `ServiceError` (before `out`'s first write, an HTTP error still)."""
-    hops, headers, rendered = await _rendered(request, kind, client, raw, render)
+    hops, headers, rendered = await _rendered(request, kind, client, raw, render, target)
     with _constraint_named(client):
         await Streaming(hops, StreamFlow(kind, client, rendered), headers, out).run()
 
@@ -147,9 +157,13 @@ async def _rendered(
     client: ClientRequest,
     raw: bytes,
     render: RenderCall | None,
+    target: Target | None = None,
 ) -> tuple[Hops, HopHeaders, Rendered]:
-    hops, headers = hops_for(request, client.model), hop_headers(request)
-    gens = await hops.render(*(render or (kind, raw)), headers)
+    """`target`: where `client` goes, resolved by the caller that named an adapter's base model
+    in `client` and `raw` (`Target.as_base`); else by `client`'s model."""
+    target = target or request.app[MODELS].target(client.model)
+    hops, headers = target.hops, hop_headers(request)
+    gens = target.to_engine(await hops.render(*(render or (kind, raw)), headers))
     if request.app[TOKENS_ONLY] and (name := needs_tokenizer(client, gens)) is not None:
         raise BadRequest(
             f"`{name}` needs a generate engine with a tokenizer, and this deployment runs its "
@@ -201,6 +215,22 @@ class ChatSse:
 
 
 SSE = ChatSse()
+
+
+class Renamed:
+    """A framing whose events name a LoRA adapter where derender named its base model."""
+
+    def __init__(self, framing: Framing, target: Target) -> None:
+        self.framing, self.target = framing, target
+
+    def events(self, chunks: list[Any]) -> bytes:
+        return self.target.renamed(self.framing.events(chunks))
+
+    def end(self) -> bytes:
+        return self.framing.end()
+
+    def failed(self, exc: ServiceError) -> bytes:
+        return self.framing.failed(exc)
 
 
 class EventStream:

@@ -285,6 +285,10 @@ def environment(config: GenerateConfig, base: Mapping[str, str] = os.environ) ->
     if config.grpc:
         # Otherwise the servicer turns vLLM's KV-event publisher on, on every interface.
         env["SMG_VLLM_SERVICER_KV_EVENTS"] = "0"
+    if "--enable-lora" in config.extra_args:
+        # The proxy loads and unloads adapters on every replica of a pool at run time
+        # (/v1/load_lora_adapter, behind its API key); vLLM serves those routes only so.
+        env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     if config.nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_port)
     if config.role != "both":

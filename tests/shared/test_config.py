@@ -209,7 +209,7 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "derender": "--model --served-model-name --max-model-len --host --port --cpu-policy "
     "--workers --threads "
     "--enable-auto-tool-choice --tool-call-parser --reasoning-parser",
-    "proxy": "--render --derender --prefill --decode --host --port --cpu-policy "
+    "proxy": "--render --derender --prefill --decode --models-file --store --host --port --cpu-policy "
     "--generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
@@ -296,6 +296,8 @@ PROXY_ENV = {
     "TOKENLINE_DERENDER_URLS": "http://d",
     "TOKENLINE_PREFILL_URLS": "",
     "TOKENLINE_DECODE_URLS": "http://g",
+    "TOKENLINE_MODELS_FILE": "",
+    "TOKENLINE_STORE": "",
     "TOKENLINE_PORT": "9000",
     "TOKENLINE_API_KEY": "k",
     "TOKENLINE_GENERATE_API_KEY": "g",
