@@ -6,15 +6,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenline.shared.errors import ServiceError
+from tokenline.shared.errors import UpstreamUnavailable
 
-
-class StoreUnavailable(ServiceError):
-    """The store cannot be reached or failed: 503 for a request that needs it (another proxy,
-    or a later try, may succeed). Never swallowed: a response that had to be saved and was not
-    is reported as this error, not as a success."""
-
-    status, kind = 503, "ServiceUnavailableError"
+StoreUnavailable = UpstreamUnavailable
+"""The store cannot be reached or failed: 503 for a request that needs it (another proxy, or a
+later try, may succeed), raised with a message naming the store. The one error hierarchy's
+(`shared/errors.py`): the database is one more upstream. Never swallowed: a response that had
+to be saved and was not is this error, not a success."""
 
 
 @dataclass(frozen=True)
