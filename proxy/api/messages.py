@@ -40,7 +40,8 @@ from tokenline.shared.anthropic import (
     MessagesRequest,
     ThinkingEnabled,
 )
-from tokenline.shared.anthropic_chat import MessageEvents, chat_body, message
+from tokenline.shared.anthropic_answers import MessageEvents, message
+from tokenline.shared.anthropic_chat import chat_body
 from tokenline.shared.errors import ServiceError, as_service_error
 from tokenline.shared.http import json_response, read_json_body
 from tokenline.shared.kinds import CHAT

@@ -53,6 +53,7 @@ def _request(**extra: Any) -> dict[str, Any]:
 def _whole(url: str, body: dict[str, Any], path: str = "/v1/messages") -> dict[str, Any]:
     status, answer = post(url + path, body)
     assert status == 200, answer
+    assert isinstance(answer, dict)
     return answer
 
 
@@ -72,7 +73,7 @@ def _events(url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 def _normal(message: dict[str, Any]) -> dict[str, Any]:
     """`message` with its random parts checked and blanked."""
-    out = json.loads(json.dumps(message))
+    out: dict[str, Any] = json.loads(json.dumps(message))
     assert MSG_ID.match(out.pop("id"))
     for block in out["content"]:
         if block["type"] == "thinking":

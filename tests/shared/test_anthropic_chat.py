@@ -24,7 +24,8 @@ from tokenline.shared.anthropic import (
     MessageStop,
     SignatureDelta,
 )
-from tokenline.shared.anthropic_chat import MessageEvents, chat_body, message
+from tokenline.shared.anthropic_answers import MessageEvents, message
+from tokenline.shared.anthropic_chat import chat_body
 from tokenline.shared.errors import BadRequest
 from tokenline.shared.wire import (
     AssistantMessage,
@@ -206,7 +207,7 @@ def _chunks(answer: ChatCompletion, cuts: list[int]) -> list[ChatCompletionChunk
 def _assemble(events: list[Event]) -> dict[str, Any]:
     """The message a client builds from `events`; checks their order on the way."""
     assert isinstance(events[0], MessageStart) and isinstance(events[-1], MessageStop)
-    built = msgspec.to_builtins(events[0].message)
+    built: dict[str, Any] = msgspec.to_builtins(events[0].message)
     open_index: int | None = None
     for event in events[1:-1]:
         match event:
