@@ -1,0 +1,134 @@
+"""render's `/v1/messages/render` against vLLM 0.32's on the same model and parser flags: the
+same prompt IDs, sampling and grammar for Anthropic requests (system prompts, tools and tool
+choices, tool history, thinking, stop sequences, JSON output); and a template that refuses
+system messages after the first gets them merged into the leading one, as vLLM merges them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from tests.conftest import Fleet
+from tokenline.launch.bench.http import post
+from tokenline.services.render.app import make_app
+from tokenline.services.render.config import RenderConfig
+from tokenline.shared.tokenizer import ModelTokenizer
+
+ROUTE = "/v1/messages/render"
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {"properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+STRICT = {**WEATHER, "name": "add", "strict": True}
+HI = [{"role": "user", "content": "hi"}]
+HISTORY = [
+    {"role": "user", "content": "weather?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": "ask", "signature": "s"},
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "P"}},
+        ],
+    },
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+            {"type": "text", "text": "thanks"},
+        ],
+    },
+]
+BODIES: list[dict[str, Any]] = [
+    {"messages": HI},
+    {"messages": HI, "system": "Be brief.", "stop_sequences": ["END", "\n\n"]},
+    {"messages": [{"role": "system", "content": "Inline."}, *HI], "system": "Lead."},
+    {"messages": HI, "tools": [WEATHER]},
+    {"messages": HI, "tools": [WEATHER, STRICT], "tool_choice": {"type": "any"}},
+    {"messages": HI, "tools": [STRICT], "tool_choice": {"type": "tool", "name": "add"}},
+    {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "none"}},
+    {
+        "messages": HI,
+        "tools": [STRICT],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    },
+    {"messages": HISTORY, "tools": [WEATHER]},
+    {"messages": HI, "thinking": {"type": "disabled"}},
+    {"messages": HI, "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"}},
+    {
+        "messages": HI,
+        "thinking": {"type": "disabled"},
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    },
+    {"messages": HI, "temperature": 0.5, "top_p": 0.9, "top_k": 5},
+]
+
+
+def _effective(gen: dict[str, Any]) -> dict[str, Any]:
+    params = gen["sampling_params"]
+    so = params.get("structured_outputs")
+    if isinstance(so, dict):
+        so = {k: v for k, v in so.items() if not k.startswith("_")}
+    keys = ("max_tokens", "temperature", "top_p", "top_k", "skip_special_tokens")
+    return {
+        **{k: params.get(k) for k in keys},
+        "stop": params.get("stop") or [],  # null and [] both mean none
+        "structured_outputs": so,
+        "reasoning_ended": gen.get("reasoning_ended"),
+        "token_ids": gen["token_ids"],
+    }
+
+
+def _config(model: Path, **extra: Any) -> RenderConfig:
+    return RenderConfig(
+        model=str(model),
+        served_model_names=("tiny-qwen3",),
+        max_model_len=2048,
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+        **extra,
+    )
+
+
+@pytest.fixture
+async def hermes(qwen3_model: Path, aiohttp_client: Any) -> TestClient:
+    return await aiohttp_client(make_app(_config(qwen3_model)))
+
+
+async def test_renders_equal_vllms(fleet: Fleet, hermes: TestClient) -> None:
+    for i, extra in enumerate(BODIES):
+        body = {"model": "tiny-qwen3", "max_tokens": 20, **extra}
+        status, theirs = post(fleet.oracle_hermes.url + ROUTE, body)
+        resp = await hermes.post(ROUTE, json=body)
+        mine = await resp.json()
+        assert resp.status == status == 200, (i, mine, theirs)
+        assert _effective(mine) == _effective(theirs), i
+
+
+SYSTEM_FIRST = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' and not loop.first -%}{{ raise_exception('system first') }}"
+    "{%- endif -%}<{{ m.role }}>{{ m.content }}"
+    "{%- endfor -%}<assistant>"
+)
+
+
+async def test_inline_system_joins_the_first_when_the_template_wants_it(
+    qwen3_model: Path, qwen3_tok: ModelTokenizer, aiohttp_client: Any
+) -> None:
+    config = _config(qwen3_model, chat_template=SYSTEM_FIRST)
+    client = await aiohttp_client(make_app(config))
+    messages = [*HI, {"role": "system", "content": "Late."}, {"role": "user", "content": "ok"}]
+    body = {"model": "tiny-qwen3", "max_tokens": 5, "system": "Lead.", "messages": messages}
+    resp = await client.post(ROUTE, json=body)
+    answer = await resp.json()
+    assert resp.status == 200, answer
+    prompt = "<system>Lead.Late.<user>hi<user>ok<assistant>"
+    assert qwen3_tok.decode(answer["token_ids"]) == prompt
+    chat = {"model": "tiny-qwen3", "messages": [{"role": "system", "content": "A"}, *messages]}
+    resp = await client.post("/v1/chat/completions/render", json=chat)
+    assert resp.status == 400  # chat itself is not merged: the template's refusal stands
