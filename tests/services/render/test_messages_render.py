@@ -95,11 +95,12 @@ def _config(model: Path, **extra: Any) -> RenderConfig:
 
 
 @pytest.fixture
-async def hermes(qwen3_model: Path, aiohttp_client: Any) -> TestClient:
-    return await aiohttp_client(make_app(_config(qwen3_model)))
+async def hermes(qwen3_model: Path, aiohttp_client: Any) -> TestClient[Any, Any]:
+    client: TestClient[Any, Any] = await aiohttp_client(make_app(_config(qwen3_model)))
+    return client
 
 
-async def test_renders_equal_vllms(fleet: Fleet, hermes: TestClient) -> None:
+async def test_renders_equal_vllms(fleet: Fleet, hermes: TestClient[Any, Any]) -> None:
     for i, extra in enumerate(BODIES):
         body = {"model": "tiny-qwen3", "max_tokens": 20, **extra}
         status, theirs = post(fleet.oracle_hermes.url + ROUTE, body)
