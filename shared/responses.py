@@ -205,10 +205,16 @@ OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 class InputTokensDetails(Out, kw_only=True):
     cached_tokens: int = 0
     cache_write_tokens: int = 0
+    input_tokens_per_turn: list[int] = []
+    """vLLM's per-turn lists: empty for a single-turn answer, as vLLM's are."""
+    cached_tokens_per_turn: list[int] = []
 
 
 class OutputTokensDetails(Out, kw_only=True):
     reasoning_tokens: int = 0
+    tool_output_tokens: int = 0
+    output_tokens_per_turn: list[int] = []
+    tool_output_tokens_per_turn: list[int] = []
 
 
 class ResponseUsage(Out, kw_only=True):

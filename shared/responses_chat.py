@@ -300,7 +300,7 @@ def response_of(
         service_tier=request.service_tier,
         status=status,
         text=request.text,
-        top_logprobs=request.top_logprobs,
+        top_logprobs=request.top_logprobs or None,  # vLLM's: the sampling's logprobs
         truncation=request.truncation,
         usage=usage,
         user=request.user,

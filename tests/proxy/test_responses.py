@@ -165,10 +165,20 @@ CASES = {
 }
 
 
+def keys(raw: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
+    """The Response's keys in order, and its usage details' (as sent, before the SDK)."""
+    usage = raw["usage"]
+    return list(raw), list(usage["input_tokens_details"]), list(usage["output_tokens_details"])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_whole_responses_equal_vllms(responses: Responses, fleet: Fleet, case: str) -> None:
-    ours = client(responses.pipeline.proxy).responses.create(**CASES[case], store=False)
-    theirs = oracle(fleet).responses.create(**CASES[case], store=False)
+    mine = client(responses.pipeline.proxy).responses.with_raw_response.create(
+        **CASES[case], store=False
+    )
+    vllms = oracle(fleet).responses.with_raw_response.create(**CASES[case], store=False)
+    assert keys(mine.http_response.json()) == keys(vllms.http_response.json())
+    ours, theirs = mine.parse(), vllms.parse()
     assert shape(ours) == shape(theirs)
     assert usage(ours) == usage(theirs)
     assert (ours.status, ours.object, ours.model) == (theirs.status, theirs.object, theirs.model)

@@ -169,7 +169,7 @@ def test_whole_answer_as_output_items_and_usage() -> None:
         "namespace": None,
         "status": "completed",
     }
-    assert out["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}
+    assert out["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
     assert (out["status"], out["id"], out["object"]) == ("completed", "resp_1", "response")
 
 
