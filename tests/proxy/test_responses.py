@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import HERMES_QWEN3, Fleet
 from tests.proxy.conftest import Pipeline, _key_file, start_pipeline
+from tests.proxy.store.conftest import pg_server, pg_url  # noqa: F401 (fixtures)
 from tokenline.launch import servers
 from tokenline.launch.servers import Server
 
@@ -301,3 +302,23 @@ def test_a_store_that_is_down_is_a_503_and_nothing_is_reported_saved(
     assert stream[-1].type == "error" and "store" in stream[-1].message
     assert not any(e.type == "response.completed" for e in stream)
     assert ours.responses.create(**CASES["text"], store=False).status == "completed"
+
+
+def test_two_proxies_share_a_postgresql_store(
+    responses: Responses,
+    pg_url: str,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """The deployment's case: proxies on one PostgreSQL, each continuing the other's."""
+    one = client(responses.proxy("responses-pg-1", KEY_A, store=pg_url))
+    two = client(responses.proxy("responses-pg-2", KEY_A, store=pg_url))
+    first = one.responses.create(**CASES["tool"])
+    (call,) = [i for i in first.output if i.type == "function_call"]
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    follow = two.responses.create(
+        input=result,
+        tools=[WEATHER],
+        previous_response_id=first.id,
+        **forced("It is [a-z]{3,8}"),
+    )
+    assert one.responses.retrieve(follow.id).model_dump() == follow.model_dump()
+    assert two.responses.retrieve(first.id).model_dump() == first.model_dump()
