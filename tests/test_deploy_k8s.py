@@ -48,6 +48,11 @@ def container(deployment: Doc) -> Doc:
     return dict(pod(deployment)["containers"][0])
 
 
+def is_engine(name: str) -> bool:
+    """A generate pool: any model's (deploy/k8s/second-model.yaml adds generate-coder)."""
+    return name.startswith("generate-")
+
+
 def env_of(deployment: Doc) -> dict[str, Doc]:
     return {e["name"]: e for e in container(deployment).get("env", [])}
 
@@ -135,7 +140,7 @@ def closed_violations(manifests: list[Doc]) -> list[str]:
         found.append("proxy: TOKENLINE_API_KEY_FILE is not a mounted Secret")
     if {"TOKENLINE_API_KEY", "TOKENLINE_OPEN"} & set(env) or "--open" in container(proxy)["args"]:
         found.append("proxy: open, or a key written in the manifest")
-    for name in GENERATE:
+    for name in filter(is_engine, deployments):
         required = _secret_ref(env_of(deployments[name]).get("VLLM_API_KEY", {}))
         if required is None or required != _mounted_secret_file(proxy, sent):
             found.append(f"{name}: VLLM_API_KEY is not a Secret the proxy sends")
@@ -166,7 +171,7 @@ def hardening_violations(manifests: list[Doc]) -> list[str]:
             found.append(f"{name}: may escalate, or writes its root filesystem")
         if own.get("capabilities") != {"drop": ["ALL"]}:
             found.append(f"{name}: keeps or adds capabilities")
-        if c["image"] != (VLLM_IMAGE if name in GENERATE else TOKENLINE_IMAGE):
+        if c["image"] != (VLLM_IMAGE if is_engine(name) else TOKENLINE_IMAGE):
             found.append(f"{name}: image {c['image']} is not the pinned one")
         found += _resource_violations(name, c.get("resources", {}))
         if c.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/health":

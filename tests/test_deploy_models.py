@@ -21,11 +21,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
-from tests import test_deploy
+from tests import test_deploy, test_deploy_k8s
 from tests.test_deploy import COMPOSE_SCHEMA, VLLM_IMAGE, _flag, _parses, interpolate
+from tests.test_deploy_k8s import container, of_kind, reachable
 from tokenline.launch.servers import REPO
 from tokenline.proxy import config as proxy_config
 from tokenline.proxy.config import ServedModel, read_models
@@ -321,3 +323,307 @@ def test_the_merged_schema_check_can_fail(raw: Doc, override: Doc) -> None:
     broken["configs"]["tokenline-models"]["contents"] = "{}"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(COMPOSE_SCHEMA).validate(interpolate(merged(raw, broken)))
+
+
+# Kubernetes: tokenline.yaml alone (one model), and with second-model.yaml applied after it.
+
+
+def _docs(name: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def applied(*layers: list[Doc]) -> list[Doc]:
+    """`kubectl apply -f a -f b`: a later object of the same kind and name replaces one."""
+    objects: dict[tuple[str, str], Doc] = {}
+    for docs in layers:
+        objects |= {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    return list(objects.values())
+
+
+@pytest.fixture(scope="module")
+def one() -> list[Doc]:
+    return _docs("tokenline.yaml")
+
+
+@pytest.fixture(scope="module")
+def both(one: list[Doc]) -> list[Doc]:
+    return applied(one, _docs("second-model.yaml"))
+
+
+def test_second_model_manifests_validate() -> None:
+    docs = _docs("second-model.yaml")
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for tier in CODER:
+        assert {("Deployment", tier), ("Service", tier), ("PodDisruptionBudget", tier)} <= kinds
+    for name, d in of_kind(docs, "Deployment").items():
+        if not test_deploy_k8s.is_engine(name):
+            _parses(container(d)["args"])
+
+
+def _k8s_models(manifests: list[Doc], tmp: Path) -> tuple[ServedModel, ...]:
+    (tmp / "models.json").write_text(
+        of_kind(manifests, "ConfigMap")["tokenline-models"]["data"]["models.json"]
+    )
+    return read_models(str(tmp / "models.json"))
+
+
+def _models_mount(proxy: Doc, path: str) -> tuple[str, str] | None:
+    """(ConfigMap, key) of the file at `path` in a mounted configMap volume, if it is one."""
+    volumes = {v["name"]: v for v in test_deploy_k8s.pod(proxy).get("volumes", [])}
+    for mount in container(proxy).get("volumeMounts", []):
+        config = volumes.get(mount["name"], {}).get("configMap")
+        if config is None or not path.startswith(mount["mountPath"] + "/"):
+            continue
+        name = path.removeprefix(mount["mountPath"] + "/")
+        for item in config.get("items", [{"key": name, "path": name}]):
+            if item["path"] == name:
+                return config["name"], item["key"]
+    return None
+
+
+def _behind(manifests: list[Doc], url: str) -> tuple[str, Doc] | str:
+    """The Deployment whose pods a Service URL reaches on the URL's port, or what is wrong."""
+    parts = urlsplit(url)
+    service = of_kind(manifests, "Service").get(parts.hostname or "")
+    if service is None:
+        return f"{url}: no Service {parts.hostname}"
+    port = next((p for p in service["spec"]["ports"] if p["port"] == parts.port), None)
+    if port is None:
+        return f"{url}: Service {parts.hostname} has no port {parts.port}"
+    selector = {"matchLabels": service["spec"]["selector"]}
+    selected = [
+        (n, d)
+        for n, d in of_kind(manifests, "Deployment").items()
+        if test_deploy_k8s._selects(selector, d["spec"]["template"]["metadata"]["labels"])
+    ]
+    if len(selected) != 1:
+        return f"{url}: Service {parts.hostname} selects {[n for n, _ in selected]}"
+    name, deployment = selected[0]
+    if port["targetPort"] not in {p["containerPort"] for p in container(deployment)["ports"]}:
+        return f"{url}: {name} does not listen on {port['targetPort']}"
+    return name, deployment
+
+
+def k8s_models_file_violations(manifests: list[Doc], tmp: Path) -> list[str]:
+    """The proxy reads the mounted `tokenline-models`, which names every render, derender and
+    generate Deployment once, through its Service, on a port its pods listen on."""
+    proxy = of_kind(manifests, "Deployment")["proxy"]
+    env = test_deploy_k8s.env_of(proxy)
+    path = env.get("TOKENLINE_MODELS_FILE", {}).get("value", "")
+    found = []
+    if _models_mount(proxy, path) != ("tokenline-models", "models.json"):
+        found.append("proxy: TOKENLINE_MODELS_FILE is not the mounted tokenline-models")
+    if flat := sorted(
+        {f"TOKENLINE_{r}_URLS" for r in ("RENDER", "DERENDER", "PREFILL", "DECODE")} & set(env)
+    ):
+        found.append(f"proxy: {flat} beside the models file (it refuses to start)")
+    try:
+        models = _k8s_models(manifests, tmp)
+    except SystemExit as exc:
+        return [*found, f"tokenline-models: {exc}"]
+    named = []
+    for model in models:
+        for url in (*model.render, *model.derender, *model.prefill, *model.decode):
+            behind = _behind(manifests, url)
+            if isinstance(behind, str):
+                found.append(f"{model.name}: {behind}")
+            else:
+                named.append(behind[0])
+    pools = [n for n in of_kind(manifests, "Deployment") if n != "proxy"]
+    if sorted(named) != sorted(pools):
+        found.append(f"tokenline-models names {sorted(named)}, the Deployments are {sorted(pools)}")
+    return found
+
+
+def k8s_served_name_violations(manifests: list[Doc], tmp: Path) -> list[str]:
+    """Every Deployment of a model serves the model's path under the model's name."""
+    found = []
+    for model in _k8s_models(manifests, tmp):
+        serves = {}
+        for url in (*model.render, *model.derender, *model.prefill, *model.decode):
+            behind = _behind(manifests, url)
+            assert not isinstance(behind, str), behind
+            name, deployment = behind
+            args = [str(a) for a in container(deployment)["args"]]
+            path = args[0] if test_deploy_k8s.is_engine(name) else _flag(args, "--model")
+            serves[name] = path
+            if (served := _flag(args, "--served-model-name")) != model.name:
+                found.append(f"{name}: serves {served!r}, tokenline-models says {model.name!r}")
+        if len(set(serves.values())) != 1:
+            found.append(f"{model.name}: its Deployments load different models {serves}")
+    return found
+
+
+def k8s_lora_violations(manifests: list[Doc], tmp: Path) -> list[str]:
+    found = []
+    for name, d in of_kind(manifests, "Deployment").items():
+        if not test_deploy_k8s.is_engine(name):
+            continue
+        args = [str(a) for a in container(d)["args"]]
+        rank = _flag(args, "--max-lora-rank") or ""
+        if "--enable-lora" not in args or not (_flag(args, "--max-loras") or "").isdigit():
+            found.append(f"{name}: no --enable-lora, or no --max-loras")
+        if not rank.isdigit() or int(rank) not in LORA_RANKS:
+            found.append(f"{name}: --max-lora-rank {rank!r} is not one of {sorted(LORA_RANKS)}")
+        runtime = test_deploy_k8s.env_of(d).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", {})
+        if runtime.get("value") != "True":
+            found.append(f"{name}: adapters cannot be loaded while it runs")
+    return found
+
+
+def k8s_coder_violations(manifests: list[Doc], tmp: Path) -> list[str]:
+    """The coder's pods keep tokenline.yaml's rules (keys, hardening, disruption budgets), and
+    only the proxy reaches them, on their own ports."""
+    found = [
+        *test_deploy_k8s.closed_violations(manifests),
+        *test_deploy_k8s.hardening_violations(manifests),
+        *test_deploy_k8s.disruption_violations(manifests),
+    ]
+    deployments = of_kind(manifests, "Deployment")
+    ports = {
+        "render-coder": (8100,),
+        "derender-coder": (8300,),
+        "generate-coder": (8200, 9200, 9201),
+    }
+    sources = {n: d["spec"]["template"]["metadata"]["labels"] for n, d in deployments.items()}
+    for source, labels in [("outside", test_deploy_k8s.OUTSIDE), *sources.items()]:
+        want = source == "proxy"
+        for target in sorted(set(CODER) - {source}):  # (a pod reaching itself: no policy)
+            for port in ports[target]:
+                if reachable(manifests, labels, target, port) != want:
+                    found.append(f"{source} -> {target}:{port} {'denied' if want else 'allowed'}")
+    return found
+
+
+K8S_RULES = [
+    k8s_models_file_violations,
+    k8s_served_name_violations,
+    k8s_lora_violations,
+    k8s_coder_violations,
+]
+
+
+@pytest.mark.parametrize("rule", K8S_RULES, ids=lambda r: r.__name__)
+def test_kubernetes_keeps_the_rule(rule: Any, both: list[Doc], tmp_path: Path) -> None:
+    assert rule(both, tmp_path) == []
+
+
+@pytest.mark.parametrize("rule", K8S_RULES[:3], ids=lambda r: r.__name__)
+def test_kubernetes_one_model_keeps_the_rule(rule: Any, one: list[Doc], tmp_path: Path) -> None:
+    assert rule(one, tmp_path) == []
+
+
+@pytest.mark.parametrize(("manifests", "names"), [("one", ["qwen3"]), ("both", ["qwen3", "coder"])])
+def test_kubernetes_proxy_starts_with_its_models(
+    manifests: str, names: list[str], request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    docs = request.getfixturevalue(manifests)
+    proxy = of_kind(docs, "Deployment")["proxy"]
+    env = {e["name"]: e["value"] for e in container(proxy)["env"] if "value" in e}
+    (tmp_path / "models.json").write_text(
+        of_kind(docs, "ConfigMap")["tokenline-models"]["data"]["models.json"]
+    )
+    env["TOKENLINE_MODELS_FILE"] = str(tmp_path / "models.json")
+    for var in ("TOKENLINE_API_KEY_FILE", "TOKENLINE_GENERATE_API_KEY_FILE"):  # the Secret's
+        (tmp_path / var).write_text("k\n")
+        env[var] = str(tmp_path / var)
+    p = argparse.ArgumentParser()
+    proxy_config.add_arguments(p, env)
+    config = proxy_config.from_args(p.parse_args(container(proxy)["args"][1:]))
+    assert config.api_key == "k" and config.generate_api_key == "k"
+    assert [m.name for m in config.models] == names
+
+
+def _k8s_edit(kind: str, name: str, path: str, value: Any) -> Callable[[list[Doc]], None]:
+    def edit(manifests: list[Doc]) -> None:
+        target: Any = of_kind(manifests, kind)[name]
+        *parents, last = path.split(".")
+        for key in parents:
+            target = target[int(key)] if key.isdigit() else target[key]
+        target[int(last) if last.isdigit() else last] = value
+
+    return edit
+
+
+def _k8s_models_text(old: str, new: str) -> Callable[[list[Doc]], None]:
+    def edit(manifests: list[Doc]) -> None:
+        data = of_kind(manifests, "ConfigMap")["tokenline-models"]["data"]
+        data["models.json"] = data["models.json"].replace(old, new)
+
+    return edit
+
+
+def _k8s_drop(kind: str, name: str) -> Callable[[list[Doc]], None]:
+    def edit(manifests: list[Doc]) -> None:
+        manifests.remove(of_kind(manifests, kind)[name])
+
+    return edit
+
+
+CONTAINER = "spec.template.spec.containers.0"
+K8S_BREAKS = [
+    (k8s_models_file_violations, _k8s_models_text("generate-coder:8200", "generate-coder:8201")),
+    (k8s_models_file_violations, _k8s_models_text("render-coder:", "render-code:")),
+    (k8s_models_file_violations, _k8s_models_text("generate-coder:", "generate-decode:")),
+    (
+        k8s_models_file_violations,
+        _k8s_edit("Service", "derender-coder", "spec.ports.0.targetPort", 8301),
+    ),
+    (
+        k8s_models_file_violations,
+        _k8s_edit("Service", "render-coder", "spec.selector", {"app": "render"}),
+    ),
+    (
+        k8s_models_file_violations,
+        _k8s_edit("Deployment", "proxy", "spec.template.spec.volumes.2.configMap.name", "models"),
+    ),
+    (
+        k8s_models_file_violations,
+        _k8s_edit(
+            "Deployment",
+            "proxy",
+            f"{CONTAINER}.env.0",
+            {"name": "TOKENLINE_RENDER_URLS", "value": "http://render:8100"},
+        ),
+    ),
+    (k8s_served_name_violations, _k8s_models_text('"coder"', '"code"')),
+    (
+        k8s_served_name_violations,
+        _k8s_edit("Deployment", "generate-coder", f"{CONTAINER}.args.0", "/models/other"),
+    ),
+    (k8s_lora_violations, _k8s_edit("Deployment", "generate-decode", f"{CONTAINER}.args", ["/m"])),
+    (
+        k8s_lora_violations,
+        _k8s_edit("Deployment", "generate-coder", f"{CONTAINER}.env.6.value", "False"),
+    ),
+    (k8s_coder_violations, _k8s_drop("NetworkPolicy", "generate-coder-from-proxy")),
+    (
+        k8s_coder_violations,
+        _k8s_edit("NetworkPolicy", "render-coder-from-proxy", "spec.ingress.0.from", []),
+    ),
+    (
+        k8s_coder_violations,
+        _k8s_edit(
+            "Deployment",
+            "generate-coder",
+            f"{CONTAINER}.env.1",
+            {"name": "VLLM_API_KEY", "value": "k"},
+        ),
+    ),
+    (
+        k8s_coder_violations,
+        _k8s_edit("Deployment", "derender-coder", "spec.template.spec.securityContext", {}),
+    ),
+    (k8s_coder_violations, _k8s_drop("PodDisruptionBudget", "generate-coder")),
+]
+
+
+@pytest.mark.parametrize(("rule", "edit"), K8S_BREAKS, ids=lambda x: getattr(x, "__name__", ""))
+def test_the_kubernetes_checks_can_fail(
+    rule: Any, edit: Any, both: list[Doc], tmp_path: Path
+) -> None:
+    broken = copy.deepcopy(both)
+    edit(broken)
+    assert rule(broken, tmp_path) != []
