@@ -134,6 +134,15 @@ def cases(pair: str, no_spaces: dict[str, float]) -> list[dict[str, Any]]:
         _base(tools=PLAIN, structured_outputs={"regex": THINK}, max_tokens=48, **NO_THINKING),
         _base(tools=PLAIN, structured_outputs={"regex": THINK}, include_reasoning=False),
         _base(tools=PLAIN, structured_outputs={"regex": "x" + THINK}, **NO_THINKING),
+        # thinking_token_budget: the engine ends the reasoning the prompt opened after 3 tokens
+        _base(
+            tools=PLAIN,
+            messages=[*_base()["messages"], {"role": "assistant", "content": "<think>\n"}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+            max_tokens=12,
+            thinking_token_budget=3,
+        ),
     ]
 
 
@@ -306,6 +315,9 @@ def test_the_forced_outputs_are_what_the_cases_say(pair: Pair) -> None:
     assert answers[15]["reasoning"] and answers[15]["content"] is None
     details = [a["usage"]["completion_tokens_details"]["reasoning_tokens"] for a in answers]
     assert details[17 if name == "hermes" else 18] > 0, details  # a count from `<think>` IDs
+    assert answers[19]["content"], answers[19]  # the budget ended the reasoning
+    if name == "hermes":
+        assert 0 < details[19] <= 3, details
 
 
 def test_bad_tool_input_is_vllms_400(pair: Pair) -> None:
