@@ -25,6 +25,10 @@ SOURCE = {  # which exporter's series each Deployment's autoscaler may use
     "generate-prefill": "proxy",  # the proxy knows the prompt tokens it sent
     "generate-decode": "vllm",
     "proxy": "proxy",
+    # deploy/k8s/second-model.yaml's (tests/test_deploy_models.py)
+    "render-coder": "render",
+    "derender-coder": "derender",
+    "generate-coder": "vllm",
 }
 _SERIES = re.compile(r"^\s*([a-zA-Z_:][\w:]*)")
 

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests import test_deploy, test_deploy_k8s
+from tests import exported_metrics, test_deploy, test_deploy_autoscaling, test_deploy_k8s
 from tests.test_deploy import COMPOSE_SCHEMA, VLLM_IMAGE, _flag, _parses, interpolate
 from tests.test_deploy_k8s import container, of_kind, reachable
 from tokenline.launch.servers import REPO
@@ -627,3 +627,53 @@ def test_the_kubernetes_checks_can_fail(
     broken = copy.deepcopy(both)
     edit(broken)
     assert rule(broken, tmp_path) != []
+
+
+@pytest.fixture(scope="module")
+def scaled(both: list[Doc]) -> list[Doc]:
+    """autoscaling.yaml with the coder's autoscalers (second-model.yaml's)."""
+    hpas = [d for d in both if d["kind"] == "HorizontalPodAutoscaler"]
+    return applied(_docs("autoscaling.yaml"), hpas)
+
+
+def coder_autoscaling_violations(scaled: list[Doc], both: list[Doc]) -> list[str]:
+    """An autoscaler per coder tier, on metrics the adapter rules make from series the tier
+    exports, its pods scraped: autoscaling.yaml's rules, over both models."""
+    exported = exported_metrics.exported()
+    found = [
+        rule(scaled, both, exported)
+        for rule in (
+            test_deploy_autoscaling.coverage_violations,
+            test_deploy_autoscaling.adapter_violations,
+            test_deploy_autoscaling.scrape_violations,
+        )
+    ]
+    hpas = of_kind(scaled, "HorizontalPodAutoscaler").values()
+    for tier in CODER:
+        if sum(h["spec"]["scaleTargetRef"]["name"] == tier for h in hpas) != 1:
+            found.append([f"{tier}: not one autoscaler"])
+    return [v for each in found for v in each]
+
+
+def test_coder_autoscaling_keeps_the_rules(scaled: list[Doc], both: list[Doc]) -> None:
+    assert coder_autoscaling_violations(scaled, both) == []
+
+
+def _hpa_metric(name: str, metric: str) -> Callable[[list[Doc]], None]:
+    return _k8s_edit("HorizontalPodAutoscaler", name, "spec.metrics.0.pods.metric.name", metric)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _k8s_drop("HorizontalPodAutoscaler", "render-coder"),
+        _hpa_metric("generate-coder", "vllm_num_requests_waiting_typo"),
+        _hpa_metric("derender-coder", "tokenline_render_requests_in_progress"),
+    ],
+)
+def test_the_coder_autoscaling_check_can_fail(
+    edit: Callable[[list[Doc]], None], scaled: list[Doc], both: list[Doc]
+) -> None:
+    broken = copy.deepcopy(scaled)
+    edit(broken)
+    assert coder_autoscaling_violations(broken, both) != []
