@@ -271,21 +271,25 @@ def traced(
     env: Mapping[str, str] = os.environ,
 ) -> None:
     """`app` traces its POST requests as `service`, a server span each, when the standard
-    variables turn tracing on: its `Tracing` made when it starts (in the serving process, so
-    each of derender's processes exports its own) and flushed when it stops.
+    variables turn tracing on (read now: a bad value stops the service at start; off, the app
+    gets nothing, not even a middleware): its `Tracing` made when it starts (in the serving
+    process, so each of derender's processes exports its own) and flushed when it stops.
 
     `only_continued`: only requests that carry a `traceparent` (derender's, whose streaming
     calls come per chunk over HTTP: the proxy sends one only with a whole answer's call)."""
+    config = config_from_env(service, env)
+    if config is None:
+        return
 
     async def held(app: web.Application) -> AsyncIterator[None]:
-        app[TRACING] = Tracing.from_env(service, env)
+        app[TRACING] = Tracing.from_config(config)
         yield
         await asyncio.to_thread(app[TRACING].close)
 
     @web.middleware
     async def spans(request: web.Request, handler: Handler) -> web.StreamResponse:
-        tracing = request.app.get(TRACING, OFF)
-        if not tracing.on or request.method != "POST":
+        tracing = request.app[TRACING]
+        if request.method != "POST":
             return await handler(request)
         if only_continued and "traceparent" not in request.headers:
             return await handler(request)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from aiohttp import web
 
 from tests.otlp_receiver import PATH, Receiver, receiving
 from tokenline.proxy.flow.requests import HopHeaders, leg_of, retry_id
@@ -20,6 +22,7 @@ from tokenline.shared.tracing import (
     TracingConfig,
     config_from_env,
     trace_headers,
+    traced,
     traces_endpoint,
 )
 from tokenline.shared.wire import GenerateRequest, SamplingParams
@@ -198,3 +201,54 @@ def test_a_failed_hop_is_an_error_span(receiver: Receiver) -> None:
         raise RuntimeError("replica gone")
     on.close()
     assert {s.name: s.error for s in receiver.spans} == {"POST /x": True, "decode": True}
+
+
+# --------------------------------------------------------------------------- a service's app
+
+
+def test_off_adds_nothing_to_an_app() -> None:
+    app = web.Application()
+    traced(app, "tokenline-render", env={})
+    assert len(app.middlewares) == 0
+    assert len(app.cleanup_ctx) == 0
+
+
+def _app(receiver: Receiver, only_continued: bool) -> web.Application:
+    async def handle(request: web.Request) -> web.Response:
+        with tracing.current().hop("next", {}) as hop:
+            return web.json_response(dict(hop.headers()))
+
+    app = web.Application()
+    app.router.add_post("/work", handle)
+    traced(
+        app, "svc", only_continued=only_continued, env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}
+    )
+    return app
+
+
+async def test_a_traced_app_continues_each_requests_trace(
+    aiohttp_client: Any, receiver: Receiver
+) -> None:
+    client = await aiohttp_client(_app(receiver, only_continued=False))
+    answer = await client.post("/work", headers={"traceparent": TRACEPARENT, "X-Request-Id": "r9"})
+    sent = (await answer.json())["traceparent"]
+    await client.close()  # the app stops: its spans flushed
+    spans = {s.name: s for s in receiver.trace(TRACE_ID)}
+    assert set(spans) == {"POST /work", "next"}
+    assert spans["POST /work"].parent_id == PARENT_ID
+    assert spans["POST /work"].attributes["tokenline.request_id"] == "r9"
+    assert spans["POST /work"].attributes["http.response.status_code"] == 200
+    assert spans["next"].parent_id == spans["POST /work"].span_id
+    assert sent == f"00-{TRACE_ID}-{spans['next'].span_id}-01"
+
+
+async def test_only_continued_traces_no_call_without_a_traceparent(
+    aiohttp_client: Any, receiver: Receiver
+) -> None:
+    client = await aiohttp_client(_app(receiver, only_continued=True))
+    answer = await client.post("/work")
+    assert await answer.json() == {}  # no trace: its hop sends none on
+    await client.post("/work", headers={"traceparent": TRACEPARENT})
+    await client.close()
+    assert {s.name for s in receiver.spans} == {"POST /work", "next"}
+    assert {s.trace_id for s in receiver.spans} == {TRACE_ID}
