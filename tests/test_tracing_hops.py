@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -129,3 +130,57 @@ async def test_each_leg_carries_its_own_span_while_tracing(setup: Setup) -> None
         assert leg.attributes["tokenline.cached_tokens"] == 2
     assert prefill.attributes["tokenline.attempts"] == 1
     assert decode.attributes["gen_ai.usage.completion_tokens"] == 1
+
+
+async def test_a_retried_leg_is_named_and_counted_on_the_request() -> None:
+    """A decode replica that fails (503) before anything reached the client: the request runs
+    once more on another, its leg named `retry`, the request's span counting the retry."""
+    good, bad = FakeEngine(), web.Application()
+
+    async def crash(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="overloaded")
+
+    bad.router.add_post("/inference/v1/generate", crash)
+    ok = web.Application()
+    ok.router.add_post("/inference/v1/generate", good.generate)
+    started = [TestServer(bad), TestServer(ok)]
+    for s in started:
+        await s.start_server()
+    urls = [str(s.make_url("")).rstrip("/") for s in started]
+    pools = Pools(
+        render=Pool("render", ()),
+        derender=Pool("derender", ()),
+        prefill=Pool("prefill", ()),
+        decode=Pool("decode", tuple(urls), policy="round-robin"),
+    )
+    client = Client()
+    policy, metrics, limits = RetryPolicy(sleep=False), ProxyMetrics(), Limits(10, 10)
+    derender = HttpDerender(client, pools.derender, policy, metrics, limits)
+    hops = Hops(client, pools, policy, metrics, derender, Timeouts(limits, limits, limits))
+    try:
+        with receiving() as receiver:
+            on = Tracing.from_config(
+                TracingConfig(endpoint=receiver.url + PATH, service_name="tokenline-proxy")
+            )
+            headers = HopHeaders(trace={"traceparent": TRACEPARENT})
+
+            async def decode(gen: GenerateRequest, pre: Any, exclude: Any) -> Any:
+                return await hops.generate_whole(gen, headers, exclude)
+
+            with on.server("POST /v1/chat/completions", headers.trace, {}):
+                await hops.behind_prefill(_gen(), CHAT, headers, decode)
+            on.close()
+            spans = receiver.trace(TRACE_ID)
+    finally:
+        await client.close()
+        for s in started:
+            await s.close()
+
+    legs = sorted(
+        (s for s in spans if s.name == "decode"), key=lambda s: s.attributes["tokenline.leg"]
+    )
+    assert [s.attributes["tokenline.leg"] for s in legs] == ["first", "retry"]
+    assert [s.attributes["tokenline.replica"] for s in legs] == urls
+    assert legs[0].error and not legs[1].error
+    request = next(s for s in spans if s.name == "POST /v1/chat/completions")
+    assert request.attributes["tokenline.retries"] == 1
