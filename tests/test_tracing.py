@@ -32,7 +32,8 @@ MAX_TOKENS = 12
 class Traced:
     receiver: Receiver
     engine: Process
-    proxy: Process
+    proxies: dict[str, Process]
+    """By derender transport."""
 
 
 @pytest.fixture(scope="session")
@@ -72,22 +73,19 @@ def traced(starts_vllm: None, tiny_model: Path, receiver: Receiver) -> Iterator[
     started = [engine, render, derender]
     try:
         start_all(started, 600)
-        proxy = service(
-            "traced-proxy",
-            "proxy",
-            "--render",
-            render.url,
-            "--derender",
-            derender.url,
-            "--decode",
-            engine.url,
-            "--derender-transport",
-            "batched",
-            "--open",
-        )
-        started.append(proxy)
-        proxy.start().wait(60)
-        yield Traced(receiver, engine, proxy)
+        proxies = {}
+        for transport in ("batched", "http"):
+            proxy = service(
+                f"traced-proxy-{transport}",
+                "proxy",
+                *("--render", render.url, "--derender", derender.url, "--decode", engine.url),
+                *("--derender-transport", transport, "--open"),
+            )
+            started.append(proxy)
+            proxies[transport] = proxy.start()
+        for proxy in proxies.values():
+            proxy.wait(60)
+        yield Traced(receiver, engine, proxies)
     finally:
         for s in reversed(started):
             s.stop()
@@ -138,14 +136,18 @@ def _complete(stream: bool) -> Any:
     return check
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize(
+    ("stream", "transport"),
+    [(True, "batched"), (True, "http"), (False, "batched")],
+    ids=["stream-batched", "stream-http", "whole"],
+)
 def test_a_request_with_traceparent_is_one_trace_with_every_hop(
-    traced: Traced, stream: bool
+    traced: Traced, stream: bool, transport: str
 ) -> None:
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
     rid = f"traced-{secrets.token_hex(4)}"
     headers = {"traceparent": f"00-{trace_id}-{parent_id}-01", "X-Request-Id": rid}
-    _chat(traced.proxy, stream, headers)
+    _chat(traced.proxies[transport], stream, headers)
 
     receiver = traced.receiver
     receiver.wait_for(lambda _: _complete(stream)(receiver.trace(trace_id)))
@@ -180,9 +182,10 @@ def test_a_request_with_traceparent_is_one_trace_with_every_hop(
     )
     assert engine.attributes["gen_ai.usage.completion_tokens"] == MAX_TOKENS
     if stream:
-        assert derender.attributes["tokenline.derender.transport"] == "batched"
-        assert derender.attributes["tokenline.derender.batches"] >= 1
-        assert derender.attributes["tokenline.derender.batch_size"] >= 1
+        assert derender.attributes["tokenline.derender.transport"] == transport
+        if transport == "batched":
+            assert derender.attributes["tokenline.derender.batches"] >= 1
+            assert derender.attributes["tokenline.derender.batch_size"] >= 1
     else:
         assert decode.attributes["gen_ai.usage.completion_tokens"] == MAX_TOKENS
         derender_server = _one(spans, "tokenline-derender", "POST /v1/chat/completions/derender")
@@ -200,7 +203,7 @@ def test_a_request_with_traceparent_is_one_trace_with_every_hop(
 
 def test_a_request_without_traceparent_starts_a_trace(traced: Traced) -> None:
     rid = f"untraced-{secrets.token_hex(4)}"
-    _chat(traced.proxy, False, {"X-Request-Id": rid})
+    _chat(traced.proxies["batched"], False, {"X-Request-Id": rid})
     receiver = traced.receiver
 
     def request_span(spans: list[Received]) -> Received | None:

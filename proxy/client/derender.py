@@ -173,9 +173,8 @@ class HttpDerender:
             try:
                 yield
             finally:
-                sent = self.batches - batches
-                span.set("tokenline.derender.batches", sent)
-                if sent:
+                if sent := self.batches - batches:  # (none over HTTP: a POST per chunk)
+                    span.set("tokenline.derender.batches", sent)
                     span.set("tokenline.derender.batch_size", (self.batched - batched) / sent)
 
     async def close(self) -> None:
