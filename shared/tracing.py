@@ -6,7 +6,7 @@ Off unless the standard variables name a collector (`OTEL_EXPORTER_OTLP_TRACES_E
 exporter reads its other standard variables itself (`OTEL_EXPORTER_OTLP_HEADERS`, `..._TIMEOUT`,
 `..._COMPRESSION`, `OTEL_BSP_*`).
 
-Off costs a method call per hop and imports no OpenTelemetry module (`OFF`); the per-token paths
+Off costs a few calls per hop and imports no OpenTelemetry module (`OFF`); the per-token paths
 never trace. A service holds one `Tracing` (`traced(app, name)`: made at start, flushed at stop),
 whose spans are:
 
