@@ -297,10 +297,12 @@ def request_log_middleware() -> object:
 
 async def health(request: web.Request) -> web.Response:
     """ "ok" when every model can be served (its render, derender and decode pools, and its
-    prefill pool when it has one, each have a replica in the rotation)."""
+    prefill pool when it has one, each have a replica in the rotation); "degraded" when some
+    can, still 200: the proxy serves those, and another proxy would fail the rest as it does.
+    503 when no model can be served, or while draining."""
     drain, models = request.app[DRAIN], request.app[MODELS]
     report: dict[str, Any] = {}
-    ready = True
+    ready = []
     for served in models.served:
         pools = served.hops.pools
         for p in pools.all():
@@ -310,11 +312,16 @@ async def health(request: web.Request) -> web.Response:
                 "replicas": len(p.workers),
                 "in_flight": p.in_flight(),
             }
-        ready = ready and all(p.serving() for p in (pools.render, pools.derender, pools.decode))
-        ready = ready and (not pools.prefill.configured or bool(pools.prefill.serving()))
-    status = "draining" if drain.draining else "ok" if ready else "degraded"
+        ready.append(_servable(pools))
+    status = "draining" if drain.draining else "ok" if all(ready) else "degraded"
+    serving = not drain.draining and any(ready)
     body = {"status": status, "pools": report, "in_flight": drain.in_flight}
-    return json_response(body, status=200 if status == "ok" else 503)
+    return json_response(body, status=200 if serving else 503)
+
+
+def _servable(pools: Pools) -> bool:
+    ready = all(p.serving() for p in (pools.render, pools.derender, pools.decode))
+    return ready and (not pools.prefill.configured or bool(pools.prefill.serving()))
 
 
 async def models(request: web.Request) -> web.Response:

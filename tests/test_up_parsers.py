@@ -9,14 +9,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from tokenline.launch.up import UpConfig, plan
+from tokenline.launch.up import Served, UpConfig, plan
 
 FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
 
 
 def _argvs(**settings: object) -> dict[str, list[str]]:
     config = msgspec.convert(settings, UpConfig)
-    backends, _ = plan(config, Path("/models/m"), "m")
+    backends, _ = plan(config, [Served(Path("/models/m"), "m")])
     return {p.name: p.argv for p in backends}
 
 

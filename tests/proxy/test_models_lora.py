@@ -281,7 +281,7 @@ def test_bad_adapters_are_4xx_for_themselves_alone(
 ) -> None:
     url = deployment.proxy.url
     too_big = make_lora(tiny_model, BUILD / "models" / "tiny-lora-rank-16", rank=16, seed=3)
-    bad = [
+    bad: list[tuple[dict[str, Any], str | None]] = [
         (
             {"lora_name": "gone", "lora_path": "/nonexistent/adapter", "base_model_name": "tiny"},
             "lora_path",
