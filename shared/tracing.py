@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 from aiohttp import web
 
+from tokenline.shared.errors import ServiceError
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span as OtelSpan
@@ -212,9 +214,19 @@ class _Otel(Tracing):
         token = _CURRENT.set(self)
         try:
             with self.tracer.start_as_current_span(
-                name, context=parent, kind=self.server_kind, attributes=attributes
+                name,
+                context=parent,
+                kind=self.server_kind,
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
             ) as span:
-                yield _Live(span)
+                live = _Live(span)
+                try:
+                    yield live
+                except BaseException as exc:
+                    _failed(live, exc)
+                    raise
         finally:
             _CURRENT.reset(token)
 
@@ -250,6 +262,17 @@ def traceparent(span: OtelSpan) -> dict[str, str]:
     if ctx.trace_state:
         return {"traceparent": parent, "tracestate": ctx.trace_state.to_header()}
     return {"traceparent": parent}
+
+
+def _failed(span: Span, exc: BaseException) -> None:
+    """A request's failure on its span: the status it answers, and an error where the service
+    failed (a 4xx is the request's fault, a client gone is no failure of anyone's)."""
+    if isinstance(exc, ServiceError):
+        span.set("http.response.status_code", exc.status)
+        if exc.status < 500:
+            return
+    if not isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        span.fail(exc)
 
 
 def trace_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -15,6 +15,7 @@ from aiohttp import web
 from tests.otlp_receiver import PATH, Receiver, receiving
 from tokenline.proxy.flow.requests import HopHeaders, leg_of, retry_id
 from tokenline.shared import tracing
+from tokenline.shared.errors import BadRequest, UpstreamUnavailable
 from tokenline.shared.tracing import (
     NO_SPAN,
     OFF,
@@ -252,3 +253,17 @@ async def test_only_continued_traces_no_call_without_a_traceparent(
     await client.close()
     assert {s.name for s in receiver.spans} == {"POST /work", "next"}
     assert {s.trace_id for s in receiver.spans} == {TRACE_ID}
+
+
+def test_a_request_refused_as_its_own_fault_is_no_error(receiver: Receiver) -> None:
+    on = Tracing.from_config(TracingConfig(endpoint=receiver.url + PATH, service_name="svc"))
+    with pytest.raises(BadRequest), on.server("POST /bad", {}, {}):
+        raise BadRequest("no such field")
+    with pytest.raises(UpstreamUnavailable), on.server("POST /down", {}, {}):
+        raise UpstreamUnavailable("no replica")
+    on.close()
+    spans = {s.name: s for s in receiver.spans}
+    assert spans["POST /bad"].attributes["http.response.status_code"] == 400
+    assert not spans["POST /bad"].error
+    assert spans["POST /down"].attributes["http.response.status_code"] == 503
+    assert spans["POST /down"].error
