@@ -22,11 +22,12 @@ from aiohttp import web
 
 from tokenline.proxy.api.completions import (
     ADMISSION,
+    MODELS,
     EventStream,
+    Renamed,
     answer_stream,
     answer_whole,
     hop_headers,
-    hops_for,
 )
 from tokenline.shared.anthropic import (
     COUNT_TOKENS_REQUEST,
@@ -83,24 +84,32 @@ def error_out(err: ServiceError) -> ErrorOut:
 async def messages(request: web.Request) -> web.StreamResponse:
     raw = await read_json_body(request)
     anthropic = MESSAGES_REQUEST.decode(raw)  # a bad body: 400 before any hop
+    target = request.app[MODELS].target(anthropic.model)  # an unknown model: 404, as early
+    if target.adapter is not None:  # render and derender know the adapter's base model
+        raw = target.as_base(raw)
+        anthropic = MESSAGES_REQUEST.decode(raw)
     chat_raw = JSON.encode(chat_body(anthropic))
     client = CHAT.client_request.decode(chat_raw)
     render = (MESSAGES_RENDER, raw)
     async with request.app[ADMISSION].slot(client.priority):
         if not anthropic.stream:
-            answer = await answer_whole(request, CHAT, client, chat_raw, render)
-            return json_response(message(answer))
-        out = EventStream(request, MessagesSse())
-        return await out.serve(answer_stream(request, CHAT, client, chat_raw, out, render))
+            answer = await answer_whole(request, CHAT, client, chat_raw, render, target)
+            found = message(answer)
+            found.model = target.adapter or found.model
+            return json_response(found)
+        framing = MessagesSse()
+        out = EventStream(request, Renamed(framing, target) if target.adapter else framing)
+        run = answer_stream(request, CHAT, client, chat_raw, out, render, target)
+        return await out.serve(run)
 
 
 @anthropic_errors
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens, as render builds the prompt of a Messages request with it."""
     counted = COUNT_TOKENS_REQUEST.decode(await read_json_body(request))
-    body = JSON.encode(_renderable(counted))
-    hops = hops_for(request, counted.model)
-    gens = await hops.render(MESSAGES_RENDER, body, hop_headers(request))
+    target = request.app[MODELS].target(counted.model)
+    body = target.as_base(JSON.encode(_renderable(counted)))
+    gens = await target.hops.render(MESSAGES_RENDER, body, hop_headers(request))
     tokens = sum(len(gen.token_ids) for gen in gens)
     context = {"original_input_tokens": tokens}
     return json_response(CountTokensOut(input_tokens=tokens, context_management=context))
