@@ -145,16 +145,20 @@ def vllm_render(name: str, model: Path, served: str, *extra: str) -> Process:
     return _peer(name, "render", model, served, *extra)
 
 
-def generate_role(name: str, model: Path, role: Role, cores: str) -> Process:
-    """A vLLM for a P/D role, launched with the settings `tokenline generate` uses."""
+def generate_role(
+    name: str, model: Path, role: Role, cores: str, served: str = "tiny", *extra: str
+) -> Process:
+    """A vLLM for a P/D role, launched with the settings `tokenline generate` uses (`extra`:
+    vLLM flags after them)."""
     config = GenerateConfig(
         model=str(model),
         role=role,
         port=free_port(),
-        served_model_name="tiny",
+        served_model_name=served,
         cpu_cores=cores,
         nixl_port=free_port(),
         kv_cache_mib=KV_CACHE_MIB,
+        extra_args=extra,
     )
     return vllm(name, config)
 

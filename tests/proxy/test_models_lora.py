@@ -28,9 +28,9 @@ from tests.proxy import test_parity as parity
 from tests.proxy.conftest import MAX_MODEL_LEN, _key_file, engine_metric
 from tokenline.launch import servers
 from tokenline.launch.models.lora import make_lora
-from tokenline.launch.process import Process, free_port, start_all
+from tokenline.launch.process import Process, start_all
 from tokenline.launch.servers import Server
-from tokenline.services.generate.launcher import GenerateConfig, Role
+from tokenline.services.generate.launcher import Role
 
 pytestmark = pytest.mark.alone
 KEY = "lora-test-key"
@@ -59,17 +59,8 @@ def _modules(adapters: dict[str, Path]) -> tuple[str, ...]:
 
 
 def _role(model: Path, role: Role, cores: str, adapters: dict[str, Path]) -> Process:
-    config = GenerateConfig(
-        model=str(model),
-        role=role,
-        port=free_port(),
-        served_model_name="tiny",
-        cpu_cores=cores,
-        nixl_port=free_port(),
-        kv_cache_mib=servers.KV_CACHE_MIB,
-        extra_args=(*LORA, *_modules(adapters)),
-    )
-    return servers.vllm(f"vllm-{role}-tiny-lora", config)
+    name = f"vllm-{role}-tiny-lora"
+    return servers.generate_role(name, model, role, cores, "tiny", *LORA, *_modules(adapters))
 
 
 @dataclass
