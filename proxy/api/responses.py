@@ -182,9 +182,12 @@ class ResponsesSse:
         return self.state.start()
 
     def events(self, chunks: list[Any]) -> bytes:
+        dicts = [_as_dict(c) for c in chunks]
+        if not self.started and dicts:  # the served name, for a request that named none
+            self.state.model = dicts[0].get("model") or self.state.model
         out = self._begin()
-        for chunk in chunks:
-            out += self.state.feed(_as_dict(chunk))
+        for chunk in dicts:
+            out += self.state.feed(chunk)
         return b"".join(map(_sse, out))
 
     def finish(self) -> None:

@@ -267,6 +267,12 @@ def test_streamed_follow_up(responses: Responses) -> None:
     )
 
 
+def test_a_request_without_a_model_shows_the_served_one(responses: Responses) -> None:
+    body = {k: v for k, v in CASES["text"].items() if k != "model"}
+    stream = events(client(responses.pipeline.proxy).responses.create(**body, stream=True))
+    assert {e.response.model for e in stream if hasattr(e, "response")} == {"tiny-qwen3"}
+
+
 def test_another_key_sees_nothing(responses: Responses) -> None:
     mine = client(responses.pipeline.proxy).responses.create(**CASES["text"])
     theirs = client(responses.proxy("responses-proxy-b", KEY_B), KEY_B)
