@@ -154,6 +154,10 @@ def check_request(request: ResponsesRequest) -> None:
     """What tokenline refuses of a request that decoded (each a 400 naming the field)."""
     if request.background:
         raise BadRequest("background responses are not supported", param="background")
+    if request.include:
+        raise BadRequest(f"include {request.include} is not served", param="include")
+    if request.truncation == "auto":
+        raise BadRequest("truncation 'auto' is not served (only 'disabled')", param="truncation")
     fmt = request.text.format if request.text else None
     if fmt is not None and fmt.type == "json_schema" and fmt.schema is None:
         raise BadRequest("text.format of type json_schema needs a schema", param="text.format")

@@ -118,10 +118,19 @@ def test_unknown_request_field_is_named() -> None:
         request(conversation="c_1")
 
 
-def test_background_is_refused_by_name() -> None:
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ],
+)
+def test_what_is_not_served_is_refused_by_name(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as caught:
-        chat_request(request(background=True), [])
-    assert caught.value.param == "background"
+        chat_request(request(tools=[{"type": "function", "name": "f"}], **fields), [])
+    assert caught.value.param == param
 
 
 CHAT = {
