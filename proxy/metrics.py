@@ -92,6 +92,13 @@ class ProxyMetrics(ServiceMetrics):
             ["pool", "replica"],
             registry=self.registry,
         )
+        self.routed_requests = Gauge(
+            f"{self.prefix}_routed_requests",
+            "Requests sent to each generate replica by cache-aware routing, per LoRA adapter "
+            '(adapter="" for the base model)',
+            ["pool", "replica", "adapter"],
+            registry=self.registry,
+        )
         self.migrations = self.counter(
             "migrations", "Streams continued on another decode replica after theirs failed"
         )
@@ -162,6 +169,8 @@ class ProxyMetrics(ServiceMetrics):
         def refresh() -> float:
             for replica, tokens in stats.by_replica.items():
                 gauge.labels(role, replica).set(tokens)
+            for (replica, adapter), requests in stats.by_adapter.items():
+                self.routed_requests.labels(role, replica, adapter).set(requests)
             return float(len(stats.by_replica))
 
         self.routing.labels(role, "replicas_routed").set_function(refresh)

@@ -189,7 +189,8 @@ async def stream_payloads(
     `span` (the decode hop's, started by the caller) ends with the stream, in error if it
     failed; nothing is traced per chunk."""
     try:
-        with pool.lease(worker, uncached), reported(pool, worker), translated(pool.role, worker):
+        lease = pool.lease(worker, uncached)
+        with lease as leased, reported(pool, worker), translated(pool.role, worker):
             async with client.request(
                 "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
             ) as resp:
@@ -205,6 +206,7 @@ async def stream_payloads(
                             raise rejected_or_failed(pool.role, worker, code, payloads[0])
                         first = first and not payloads
                         if payloads:
+                            leased.prefilled()  # the prompt is computed: a stream from now
                             pump = yield payloads
                             while pump is not None and not events.done:
                                 more = await _pumped(resp, events, pump)

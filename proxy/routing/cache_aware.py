@@ -29,7 +29,7 @@ from tokenline.proxy.routing.cache_config import (
     EngineCacheConfig,
     parse_cache_config,
 )
-from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser
+from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser, decayed
 from tokenline.proxy.routing.kv_events import KvEventSubscriber
 from tokenline.proxy.routing.prefix import BlockHasher, LoraKey
 
@@ -106,6 +106,8 @@ class RoutingStats:
     prefill_skipped: int = 0
     by_replica: dict[str, int] = field(default_factory=dict)
     """Prompt tokens sent to each replica."""
+    by_adapter: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Requests sent to each replica per LoRA adapter ("" for the base model)."""
 
 
 @dataclass
@@ -117,8 +119,12 @@ class PrefixRouting:
     seed: str | None = None
     """The engines' PYTHONHASHSEED, if they set one (vLLM seeds its block hashes with it)."""
     cap: float = 1.5
-    stream_cost: float = 256.0
+    stream_cost: float = 64.0
+    slack: float = 8192.0
     sent_ttl: float = 120.0
+    recent_half_life: float = 300.0
+    """Seconds over which the prompt tokens sent to a replica count half as much toward its
+    standing (`choice.Load.recent`)."""
     now: Callable[[], float] = time.monotonic
     config: EngineCacheConfig | None = None
     hasher: BlockHasher | None = None
@@ -134,6 +140,9 @@ class PrefixRouting:
     have to load its weights, and takes a LoRA slot from the adapters running there)."""
     warm: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per replica, adapter -> when a request for it last went there."""
+    recent: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per replica, the prompt tokens sent there lately (decayed) and when that was
+    counted."""
     subscribers: dict[str, KvEventSubscriber] = field(default_factory=dict)
     stats: RoutingStats = field(default_factory=RoutingStats)
 
@@ -160,7 +169,7 @@ class PrefixRouting:
         now, keys = self.now(), prompt.keys
         candidates = [
             Candidate(
-                Load(w.uncached, w.in_flight),
+                Load(w.uncached, w.in_flight, self._recent(w.url, now)),
                 self.index(w.url).cached_prefix(keys, now),
                 self._cold(w.url, prompt.adapter, now),
             )
@@ -179,6 +188,11 @@ class PrefixRouting:
         last = self.warm.get(url, {}).get(adapter)
         return 0.0 if last is not None and now - last <= self.sent_ttl else self.adapter_cost
 
+    def _recent(self, url: str, now: float) -> float:
+        """The prompt tokens sent to replica `url` lately, decayed to `now`."""
+        value, since = self.recent.get(url, (0.0, now))
+        return decayed(value, now - since, self.recent_half_life)
+
     def holds(self, worker: Worker, prompt: Prompt) -> int:
         """Leading blocks of `prompt` that `worker` is expected to hold."""
         return self.index(worker.url).cached_prefix(prompt.keys, self.now())
@@ -191,8 +205,10 @@ class PrefixRouting:
 
     def _counted(self, worker: Worker, prompt: Prompt, cached: int) -> Pick:
         assert self.chooser is not None
+        now = self.now()
         if prompt.adapter is not None:
-            self.warm.setdefault(worker.url, {})[prompt.adapter] = self.now()
+            self.warm.setdefault(worker.url, {})[prompt.adapter] = now
+        self.recent[worker.url] = (self._recent(worker.url, now) + prompt.tokens, now)
         uncached = self.chooser.uncached(prompt.tokens, cached)
         stats = self.stats
         stats.decisions += 1
@@ -200,6 +216,8 @@ class PrefixRouting:
         stats.prompt_tokens += prompt.tokens
         stats.expected_cached_tokens += prompt.tokens - uncached
         stats.by_replica[worker.url] = stats.by_replica.get(worker.url, 0) + prompt.tokens
+        adapter = (worker.url, prompt.adapter or "")
+        stats.by_adapter[adapter] = stats.by_adapter.get(adapter, 0) + 1
         return Pick(worker, uncached, cached)
 
     def index(self, url: str) -> BlockIndex:
@@ -214,6 +232,7 @@ class PrefixRouting:
         if index is not None:
             index.clear()
         self.warm.pop(url, None)
+        self.recent.pop(url, None)
 
     async def learn(
         self, client: Client, workers: Sequence[Worker], headers: dict[str, str]
@@ -273,7 +292,9 @@ class PrefixRouting:
     def _configure(self, config: EngineCacheConfig) -> None:
         self.config = config
         self.hasher = BlockHasher(config.block_size, config.hash_algo, self.seed)
-        self.chooser = PrefixChooser(config.block_size, cap=self.cap, stream_cost=self.stream_cost)
+        self.chooser = PrefixChooser(
+            config.block_size, cap=self.cap, stream_cost=self.stream_cost, slack=self.slack
+        )
         log.info("routing.cache_aware role=%s %s", self.role, described(config))
 
     async def _subscribe(self, url: str) -> None:

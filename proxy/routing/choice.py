@@ -1,29 +1,52 @@
 """Which generate replica takes a prompt: cached prefix against load (pure, no I/O).
 
-Each candidate's load is prefill tokens it still has to compute plus a token price per
-running stream; the prompt would add its uncached tokens and one stream. The replica whose
-load after taking the prompt is least wins, so a cached prefix counts exactly as the prefill
-work it saves. One hard rule keeps affinity from piling work on a replica: only replicas whose
-load is at most `cap` (1.5) times the mean take part. The least loaded always does, so every
-prompt goes somewhere, and under any one hot prefix no replica ends more than `cap` times the
-mean load plus one prompt. Equal choices take turns. A prompt for a LoRA adapter weighs a
-little more where the adapter has not run lately (`Candidate.cold`), so an adapter's requests
-gather on the replicas that run it, and spread once their load outweighs that.
+Two measures of a replica's load. Its work now (`PrefixChooser.weight`): prompt tokens it
+still has to compute (a request's uncached tokens count until its first token) plus a token
+price per running stream; the prompt would add its uncached tokens and one stream. And its
+standing (`PrefixChooser.standing`): the prompt tokens sent there lately (`Load.recent`,
+decayed over a time window: `decayed`) plus the same price per running stream, which remembers
+the work of requests that have already finished.
+
+The replica whose work after taking the prompt is least wins, so a cached prefix counts as
+the prefill work it saves. A token the prompt computes weighs `compute_cost` (4) tokens of
+work in flight: work in flight passes (the engine batches the prompt with it), while computing
+again what another replica holds is spent for good, and moves a conversation's history to a
+replica that computes it again if the next turn goes back.
+
+One hard rule keeps affinity from piling work on a replica: only replicas whose standing after
+taking the prompt is at most `cap` (1.5) times the mean, or at most `slack` tokens above it,
+take part (as the SGLang gateway's relative and absolute balance thresholds). If none does,
+the least standing takes it, so every prompt goes somewhere, and no replica's standing ever
+ends past the larger of `cap` times the mean and the mean plus `slack`, plus one prompt. Since
+the standing outlives the requests, the cap holds over the window, not only among requests in
+flight: one-shot requests that each find every replica idle would otherwise all go where
+their prefix is. The slack keeps a shared prefix in one place while the load is light, where
+the relative rule alone would move the second request off a replica that took one, to compute
+the prefix again. Equal choices go to the least standing, then take turns.
+
+A prompt for a LoRA adapter weighs a little more where the adapter has not run lately
+(`Candidate.cold`), so an adapter's requests gather on the replicas that run it, and spread
+once their load outweighs that.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 
 class Load(NamedTuple):
-    """What a replica is doing now, as the proxy counts it."""
+    """What a replica is doing now, and has done lately, as the proxy counts it."""
 
     uncached_tokens: int
-    """Prompt tokens in flight there that its engine has to compute (not cached)."""
+    """Prompt tokens in flight there that its engine has still to compute (not cached, no
+    first token yet)."""
     streams: int
     """Requests running there."""
+    recent: float = 0.0
+    """Prompt tokens sent there lately, cached or not, decayed (`decayed`): those in flight
+    among them."""
 
 
 class Candidate(NamedTuple):
@@ -35,50 +58,82 @@ class Candidate(NamedTuple):
     has not run lately."""
 
 
+def decayed(value: float, seconds: float, half_life: float) -> float:
+    """`value` after `seconds` of halving every `half_life` seconds."""
+    return value * math.exp2(-max(seconds, 0.0) / half_life) if half_life > 0 else 0.0
+
+
 class PrefixChooser:
     """Picks a replica for a prompt (`choose`); its only state is whose turn a tie is."""
 
-    __slots__ = ("_turn", "block_size", "cap", "stream_cost")
+    __slots__ = ("_turn", "block_size", "cap", "compute_cost", "slack", "stream_cost")
 
-    def __init__(self, block_size: int, *, cap: float = 1.5, stream_cost: float = 256.0):
-        """`stream_cost`: the tokens of prefill one running stream weighs as."""
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        cap: float = 1.5,
+        stream_cost: float = 64.0,
+        slack: float = 8192.0,
+        compute_cost: float = 4.0,
+    ):
+        """`stream_cost`: the tokens of prefill one running stream weighs as; `slack`: the
+        prompt tokens a replica may stand above the mean before the cap applies;
+        `compute_cost`: what a token the prompt computes weighs against a token of work
+        already in flight."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if cap < 1:
             raise ValueError(f"cap must be at least 1 (the least loaded must qualify), not {cap}")
         if stream_cost < 0:
             raise ValueError("stream_cost must not be negative")
+        if slack < 0:
+            raise ValueError("slack must not be negative")
+        if compute_cost <= 0:
+            raise ValueError("compute_cost must be positive")
         self.block_size = block_size
         self.cap = cap
         self.stream_cost = stream_cost
+        self.slack = slack
+        self.compute_cost = compute_cost
         self._turn = 0
 
     def weight(self, load: Load) -> float:
-        """A load as one number, in prefill tokens."""
+        """A replica's work now as one number, in prefill tokens."""
         return load.uncached_tokens + self.stream_cost * load.streams
+
+    def standing(self, load: Load) -> float:
+        """What the cap limits: the prompt tokens sent lately, and the streams running."""
+        return load.recent + self.stream_cost * load.streams
 
     def uncached(self, prompt_tokens: int, cached_blocks: int) -> int:
         """Tokens of a prompt a replica holding `cached_blocks` of it computes."""
         return max(prompt_tokens - cached_blocks * self.block_size, 0)
 
-    def eligible(self, candidates: Sequence[Candidate]) -> list[int]:
-        """Indices of the candidates within `cap` times the mean load."""
-        weights = [self.weight(c.load) for c in candidates]
-        limit = self.cap * sum(weights) / len(weights)
-        return [i for i, w in enumerate(weights) if w <= limit]
+    def eligible(self, candidates: Sequence[Candidate], prompt_tokens: int = 0) -> list[int]:
+        """Indices of the candidates whose standing after taking the prompt is within `cap`
+        times the mean or `slack` above it (if none is: the least standing)."""
+        standings = [self.standing(c.load) for c in candidates]
+        added = prompt_tokens + self.stream_cost
+        mean = (sum(standings) + added) / len(standings)
+        limit = max(self.cap * mean, mean + self.slack)
+        within = [i for i, s in enumerate(standings) if s + added <= limit]
+        return within or [min(range(len(standings)), key=standings.__getitem__)]
 
     def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> int:
         """The index of the candidate to send a `prompt_tokens` prompt to."""
         if not candidates:
             raise ValueError("no candidates")
         best: list[int] = []
-        least = float("inf")
-        for i in self.eligible(candidates):
+        least = (math.inf, math.inf)
+        for i in self.eligible(candidates, prompt_tokens):
             load, cached, cold = candidates[i]
-            after = self.weight(load) + self.uncached(prompt_tokens, cached) + cold
-            if after < least:
-                best, least = [i], after
-            elif after == least:
+            own = self.compute_cost * self.uncached(prompt_tokens, cached)
+            after = self.weight(load) + own + cold
+            key = (after, self.standing(load))
+            if key < least:
+                best, least = [i], key
+            elif key == least:
                 best.append(i)
         self._turn += len(best) > 1
         return best[self._turn % len(best)]

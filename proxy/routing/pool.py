@@ -120,6 +120,21 @@ class Worker:
         return self.refused is None and self.breaker.state in ("closed", "half_open")
 
 
+@dataclass
+class Lease:
+    """A request in flight on `worker` (`Pool.lease`), and its prompt tokens that the engine
+    has still to compute."""
+
+    worker: Worker
+    uncached: int = 0
+
+    def prefilled(self) -> None:
+        """The engine has computed the prompt (its first token is out): the request weighs
+        as a running stream from now on."""
+        self.worker.uncached -= self.uncached
+        self.uncached = 0
+
+
 def least_in_flight(workers: Sequence[Worker]) -> Worker:
     """The policy: fewest requests in flight, ties to the first (`Pool.choose` rotates the
     order, so short calls that never overlap still spread over every replica)."""
@@ -218,16 +233,17 @@ class Pool:
         return self.routing.prompt(gen) if self.routing is not None else None
 
     @contextlib.contextmanager
-    def lease(self, worker: Worker, uncached: int = 0) -> Iterator[Worker]:
+    def lease(self, worker: Worker, uncached: int = 0) -> Iterator[Lease]:
         """`worker` has a request in flight in the block (`uncached`: prompt tokens its
-        engine computes for it)."""
+        engine computes for it, until `Lease.prefilled`)."""
+        lease = Lease(worker, uncached)
         worker.in_flight += 1
         worker.uncached += uncached
         try:
-            yield worker
+            yield lease
         finally:
             worker.in_flight -= 1
-            worker.uncached -= uncached
+            lease.prefilled()
 
     def failed(self, worker: Worker, reason: str, certain: bool = False) -> None:
         """`worker` failed a request by its own fault (never call this for a request's own)."""

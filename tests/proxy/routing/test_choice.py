@@ -1,4 +1,6 @@
-"""Cached prefix against load: affinity where it pays, never past 1.5x the mean load."""
+"""Cached prefix against load: affinity where it pays, never past 1.5x the mean load (or a
+slack above it while the load is light), counted over a time window and not only among
+requests in flight."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenline.proxy.routing.blocks import BlockIndex
-from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser
+from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser, decayed
 
 pytestmark = pytest.mark.unit
 
@@ -21,33 +23,77 @@ def test_the_cached_replica_wins_when_loads_are_equal() -> None:
 
 
 def test_cached_prefix_counts_as_the_prefill_it_saves() -> None:
-    chooser = PrefixChooser(16, stream_cost=0)
+    chooser = PrefixChooser(16, stream_cost=0, compute_cost=1)
     # 10 cached blocks save 160 tokens: worth it against 100 more tokens of load, not 200
     # (a third, busy replica keeps both within the cap)
-    busy = Candidate(Load(250, 0), 0)
+    busy = Candidate(Load(250, 0, 250), 0)
     assert chooser.choose([Candidate(Load(100, 0), 10), Candidate(IDLE, 0), busy], 400) == 0
     assert chooser.choose([Candidate(Load(200, 0), 10), Candidate(IDLE, 0), busy], 400) == 1
 
 
-def test_at_low_load_the_cap_spreads_a_prefix_early() -> None:
-    """With two replicas, one carrying more than 3x the other's load is past 1.5x the mean:
-    one stream against none is enough."""
-    chooser = PrefixChooser(16)
-    assert chooser.choose([Candidate(Load(0, 1), 50), Candidate(IDLE, 0)], 800) == 1
+def test_a_computed_token_weighs_more_than_one_waited_for() -> None:
+    """10 cached blocks save 160 tokens of prefill, which weigh 320 at twice a token in
+    flight: worth 300 more tokens of work in flight, not 400."""
+    chooser = PrefixChooser(16, stream_cost=0, compute_cost=2)
+    busy = Candidate(Load(500, 0, 500), 0)
+    assert chooser.choose([Candidate(Load(300, 0), 10), Candidate(IDLE, 0), busy], 400) == 0
+    assert chooser.choose([Candidate(Load(400, 0), 10), Candidate(IDLE, 0), busy], 400) == 1
+
+
+def bound(chooser: PrefixChooser, standings: list[float]) -> float:
+    """The most any replica may stand at, the prompt it took included."""
+    mean = sum(standings) / len(standings)
+    return max(chooser.cap * mean, mean + chooser.slack)
+
+
+def test_while_the_load_is_light_a_prefix_stays_where_it_is() -> None:
+    """Within the slack, a replica that took one prompt keeps the next that shares it (the
+    relative rule alone would send it away, to compute the prefix again); past both the
+    slack and 1.5x the mean, it gives it up."""
+    chooser = PrefixChooser(16, slack=1000)
+    took_one = Load(0, 1, 800)  # 864 + 864 against max(1.5 * 864, 864 + 1000)
+    assert chooser.choose([Candidate(took_one, 50), Candidate(IDLE, 0)], 800) == 0
+    took_four = Load(0, 4, 3200)  # 3456 + 864 against max(1.5 * 2160, 2160 + 1000)
+    assert chooser.choose([Candidate(took_four, 50), Candidate(IDLE, 0)], 800) == 1
+    # the relative rule alone spreads at once
+    strict = PrefixChooser(16, slack=0)
+    assert strict.choose([Candidate(took_one, 50), Candidate(IDLE, 0)], 800) == 1
 
 
 def test_streams_weigh_as_tokens() -> None:
     chooser = PrefixChooser(16, stream_cost=100)
     assert chooser.weight(Load(50, 3)) == 350
+    assert chooser.standing(Load(50, 3, 500)) == 800
     assert chooser.choose([Candidate(Load(0, 3), 0), Candidate(Load(250, 0), 0)], 10) == 1
 
 
 def test_affinity_never_overrides_the_cap() -> None:
-    chooser = PrefixChooser(16)
-    # replica 0 holds the whole prompt but carries 1.6x the mean load
-    candidates = [Candidate(Load(1600, 0), 100), Candidate(Load(700, 0), 0), Candidate(IDLE, 0)]
-    assert chooser.eligible(candidates) == [1, 2]
+    chooser = PrefixChooser(16, slack=1000)
+    # replica 0 holds the whole prompt but would stand past 1.5x the mean (and the slack)
+    candidates = [
+        Candidate(Load(1600, 0, 8000), 100),
+        Candidate(Load(700, 0, 3000), 0),
+        Candidate(IDLE, 0),
+    ]
+    assert chooser.eligible(candidates, 1600) == [1, 2]
     assert chooser.choose(candidates, 1600) == 2
+
+
+def test_the_cap_remembers_finished_work() -> None:
+    """Requests that each find every replica idle: the replica that took the most lately
+    (its `recent` tokens) is out, though nothing runs there now."""
+    chooser = PrefixChooser(16, slack=0)
+    candidates = [Candidate(Load(0, 0, 9000), 100), Candidate(Load(0, 0, 1000), 0)]
+    assert chooser.choose(candidates, 1600) == 1
+    # within the cap, what was done lately only settles ties
+    assert chooser.choose([Candidate(Load(0, 0, 900), 0), Candidate(Load(0, 0, 800), 0)], 64) == 1
+
+
+def test_recent_work_halves_every_half_life() -> None:
+    assert decayed(1000.0, 0.0, 60.0) == 1000.0
+    assert decayed(1000.0, 60.0, 60.0) == pytest.approx(500.0)
+    assert decayed(1000.0, 180.0, 60.0) == pytest.approx(125.0)
+    assert decayed(1000.0, -5.0, 60.0) == 1000.0  # a clock that steps back adds nothing
 
 
 def test_a_prompt_longer_than_its_cache_counts_only_what_is_left() -> None:
@@ -66,13 +112,21 @@ def test_ties_take_turns() -> None:
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [((0,), "block_size"), ((16, 0.9), "cap"), ((16, 1.5, -1), "stream_cost")],
+    [
+        ((0,), "block_size"),
+        ((16, 0.9), "cap"),
+        ((16, 1.5, -1), "stream_cost"),
+        ((16, 1.5, 64, -1), "slack"),
+        ((16, 1.5, 64, 0, 0), "compute_cost"),
+    ],
 )
 def test_bad_settings(args: tuple[float, ...], message: str) -> None:
     size, *rest = args
-    cap, stream_cost = (*rest, 1.5, 256)[:2]
+    cap, stream_cost, slack, compute_cost = (*rest, 1.5, 64, 0, 2)[:4]
     with pytest.raises(ValueError, match=message):
-        PrefixChooser(int(size), cap=cap, stream_cost=stream_cost)
+        PrefixChooser(
+            int(size), cap=cap, stream_cost=stream_cost, slack=slack, compute_cost=compute_cost
+        )
 
 
 def test_no_candidates() -> None:
@@ -80,25 +134,32 @@ def test_no_candidates() -> None:
         PrefixChooser(16).choose([], 10)
 
 
-LOADS = st.builds(Load, st.integers(0, 10_000), st.integers(0, 40))
+LOADS = st.builds(Load, st.integers(0, 10_000), st.integers(0, 40), st.floats(0, 50_000))
 
 
 @given(
-    st.lists(st.tuples(LOADS, st.integers(0, 200)), min_size=1, max_size=8), st.integers(1, 4000)
+    st.lists(st.tuples(LOADS, st.integers(0, 200)), min_size=1, max_size=8),
+    st.integers(1, 4000),
+    st.sampled_from([0.0, 2048.0, 8192.0]),
 )
 def test_the_pick_is_within_the_cap_and_least_loaded_after(
-    state: list[tuple[Load, int]], prompt: int
+    state: list[tuple[Load, int]], prompt: int, slack: float
 ) -> None:
-    chooser = PrefixChooser(16)
+    chooser = PrefixChooser(16, slack=slack)
     candidates = [Candidate(load, cached) for load, cached in state]
     pick = chooser.choose(candidates, prompt)
-    weights = [chooser.weight(c.load) for c in candidates]
-    assert weights[pick] <= 1.5 * sum(weights) / len(weights)
+    standings = [chooser.standing(c.load) for c in candidates]
+    added = prompt + chooser.stream_cost
+    after_standings = [s + added * (i == pick) for i, s in enumerate(standings)]
+    # within the cap after taking it, or (none is) the least standing before
+    assert after_standings[pick] <= bound(chooser, after_standings) + 1e-6 or standings[
+        pick
+    ] == min(standings)
     after = [
-        w + chooser.uncached(prompt, c.cached_blocks)
-        for w, c in zip(weights, candidates, strict=True)
+        chooser.weight(c.load) + chooser.compute_cost * chooser.uncached(prompt, c.cached_blocks)
+        for c in candidates
     ]
-    assert after[pick] == min(after[i] for i in chooser.eligible(candidates))
+    assert after[pick] == min(after[i] for i in chooser.eligible(candidates, prompt))
 
 
 HOT = list(range(1000, 1032))  # a 32-block hot prefix (e.g. a long system prompt)
@@ -110,14 +171,20 @@ HOT = list(range(1000, 1032))  # a 32-block hot prefix (e.g. a long system promp
     requests=st.lists(st.tuples(st.integers(0, 32), st.integers(0, 64)), min_size=1, max_size=150),
     block_size=st.sampled_from([16, 128]),
     stream_cost=st.sampled_from([0.0, 64.0, 256.0]),
+    slack=st.sampled_from([0.0, 2048.0, 8192.0]),
 )
 def test_one_hot_prefix_never_loads_a_replica_past_the_cap(
-    replicas: int, requests: list[tuple[int, int]], block_size: int, stream_cost: float
+    replicas: int,
+    requests: list[tuple[int, int]],
+    block_size: int,
+    stream_cost: float,
+    slack: float,
 ) -> None:
     """Every request shares the hot prefix, which replica 0 holds from the start; replicas
     learn it as requests reach them. Nothing finishes, so load only grows: no replica ever
-    carries more than 1.5x the mean load plus one request's worth."""
-    chooser = PrefixChooser(block_size, stream_cost=stream_cost)
+    stands past 1.5x the mean (or the slack above it) plus one request's worth (when every
+    replica is past it, the least takes the request)."""
+    chooser = PrefixChooser(block_size, stream_cost=stream_cost, slack=slack)
     indexes = [BlockIndex() for _ in range(replicas)]
     indexes[0].stored(HOT)
     loads = [Load(0, 0)] * replicas
@@ -130,33 +197,37 @@ def test_one_hot_prefix_never_loads_a_replica_past_the_cap(
         ]
         pick = chooser.choose(candidates, prompt)
         uncached = chooser.uncached(prompt, candidates[pick].cached_blocks)
-        largest = max(largest, uncached + stream_cost)
-        loads[pick] = Load(loads[pick].uncached_tokens + uncached, loads[pick].streams + 1)
+        largest = max(largest, prompt + stream_cost)
+        was = loads[pick]
+        loads[pick] = Load(was.uncached_tokens + uncached, was.streams + 1, was.recent + prompt)
         indexes[pick].sent(keys, now=n)
-        weights = [chooser.weight(load) for load in loads]
-        assert max(weights) <= 1.5 * sum(weights) / replicas + largest
+        standings = [chooser.standing(load) for load in loads]
+        assert max(standings) <= bound(chooser, standings) + largest
 
 
 def test_hot_prefix_stays_where_it_is_cached_while_that_is_cheap() -> None:
     """Short prompts on a long shared prefix: it stays on the replicas that hold it, and
     spreads as the cap pushes it on."""
-    chooser = PrefixChooser(16, stream_cost=16)
+    chooser = PrefixChooser(16, stream_cost=16, slack=4096)
     indexes = [BlockIndex() for _ in range(4)]
     indexes[0].stored(HOT)
     loads = [0.0] * 4
+    sent = [0.0] * 4
     picks = []
     for n in range(40):
         keys = [*HOT, 10_000 + n]
+        prompt = len(keys) * 16
         candidates = [
-            Candidate(Load(int(loads[i]), 0), ix.cached_prefix(keys, now=0))
+            Candidate(Load(int(loads[i]), 0, sent[i]), ix.cached_prefix(keys, now=0))
             for i, ix in enumerate(indexes)
         ]
-        pick = chooser.choose(candidates, len(keys) * 16)
-        loads[pick] += chooser.uncached(len(keys) * 16, candidates[pick].cached_blocks) + 16
+        pick = chooser.choose(candidates, prompt)
+        loads[pick] += chooser.uncached(prompt, candidates[pick].cached_blocks) + 16
+        sent[pick] += prompt
         indexes[pick].sent(keys, now=0)
         picks.append(pick)
     assert picks[0] == 0
     # only as many replicas hold the prefix as the cap forced, each cold start paid once
     cold_starts = sum(1 for i in range(4) if i in picks) - 1
     assert sum(loads) == 40 * 32 + cold_starts * 32 * 16
-    assert max(loads) <= 1.5 * sum(loads) / 4 + 33 * 16
+    assert max(sent) <= bound(chooser, sent) + 33 * 16 + 16
