@@ -12,11 +12,14 @@ from aiohttp import web
 
 from tokenline.launch.bench import routing
 from tokenline.launch.bench.conversations import (
+    ADAPTERS,
     DOCUMENT_WORDS,
     Reply,
     Session,
     Workload,
+    adapters,
     agent,
+    body,
     chat,
     drive,
     hot,
@@ -25,6 +28,7 @@ from tokenline.launch.bench.conversations import (
 from tokenline.launch.bench.metrics import samples
 from tokenline.launch.bench.routing import (
     EngineCounts,
+    adapter_spread,
     engine_counts,
     headline,
     markdown,
@@ -38,7 +42,7 @@ from tokenline.launch.cli import main as cli
 # --------------------------------------------------------------------------- workloads
 
 
-@pytest.mark.parametrize("make", [chat, agent, hot])
+@pytest.mark.parametrize("make", [chat, agent, hot, adapters])
 def test_a_workload_is_the_same_for_a_seed_and_another_for_another(make: Any) -> None:
     assert make(0) == make(0)
     assert make(0) != make(1)
@@ -54,7 +58,7 @@ def requests_of(session: Session, answers: list[str]) -> list[list[dict[str, Any
     return [session.messages(k, answers) for k in range(len(session.asks))]
 
 
-@pytest.mark.parametrize("make", [chat, agent])
+@pytest.mark.parametrize("make", [chat, agent, adapters])
 def test_each_request_extends_the_one_before_with_its_answer_and_a_new_ask(make: Any) -> None:
     for session in make(0).sessions:
         answers = [f"answer {k}" for k in range(len(session.asks))]
@@ -88,6 +92,19 @@ def test_agents_share_one_long_tool_result_and_ask_their_own_questions() -> None
     assert call["id"] == tool[0]["tool_call_id"]
     asks = [a for s in w.sessions for a in s.asks]
     assert len(set(asks)) == len(asks) == 20
+
+
+def test_adapters_spread_conversations_over_three_adapters_and_the_base_model() -> None:
+    w = adapters(0)
+    assert (len(w.sessions), w.requests, w.concurrency, w.adapters) == (16, 48, 8, ADAPTERS)
+    models = [s.model for s in w.sessions]
+    assert {m: models.count(m) for m in models} == {"tiny": 4, "a1": 4, "a2": 4, "a3": 4}
+    # each model a system prompt of its own, shared by its conversations
+    for model in ("tiny", *ADAPTERS):
+        openings = {json.dumps(s.opening) for s in w.sessions if s.model == model}
+        assert len(openings) == 1 and model in next(iter(openings))
+    assert body([], 8, "a2")["model"] == "a2"
+    assert all(s.model == "tiny" for s in chat(0).sessions)  # the others: the base model
 
 
 def test_hot_prefix_is_many_one_shot_requests_behind_one_prefix() -> None:
@@ -160,12 +177,14 @@ def page(queries: float, hits: float, prompt: float) -> str:
         f"vllm:prefix_cache_hits_total{labels} {hits}\n"
         f"vllm:prompt_tokens_total{labels} {prompt}\n"
         f"vllm:prefix_cache_queries_created{labels} 1.7e9\n"
+        f'vllm:request_success_total{{engine="0",finished_reason="length"}} {prompt / 100}\n'
+        f'vllm:request_success_total{{engine="0",finished_reason="stop"}} 1.0\n'
     )
 
 
 def test_engine_counts_are_what_the_counters_did_between_two_pages() -> None:
     got = engine_counts(samples(page(1000, 400, 1000)), samples(page(3000, 2100, 3000)))
-    assert got == EngineCounts(queries=2000, hits=1700, prompt_tokens=2000)
+    assert got == EngineCounts(queries=2000, hits=1700, prompt_tokens=2000, requests=20)
 
 
 def reply(ttft: float, tokens: int = 10, error: str | None = None) -> Reply:
@@ -173,13 +192,14 @@ def reply(ttft: float, tokens: int = 10, error: str | None = None) -> Reply:
 
 
 def test_summary_sums_the_engines_and_times_the_good_replies() -> None:
-    engines = [EngineCounts(1000, 900, 1000), EngineCounts(3000, 1500, 3000)]
+    engines = [EngineCounts(1000, 900, 1000, 3), EngineCounts(3000, 1500, 3000, 9)]
     replies = [reply(t / 1000) for t in range(1, 11)] + [reply(9.0, 50, error="HTTP 500")]
     got = summary(replies, 2.0, engines)
     assert got["hit_rate"] == 2400 / 4000
     assert got["computed_tokens"] == 1600
     assert got["replica_prompt_tokens"] == [1000, 3000]
     assert got["busiest_x_mean"] == 1.5  # 3000 / 2000
+    assert got["replica_requests"] == [3, 9] and got["busiest_share"] == 0.75
     assert (got["requests"], got["errors"]) == (11, 1)
     assert got["ttft_p50_ms"] == pytest.approx(6.0)  # nearest rank, the failure left out
     assert got["ttft_p90_ms"] == pytest.approx(10.0)
@@ -189,6 +209,7 @@ def test_summary_sums_the_engines_and_times_the_good_replies() -> None:
 def test_a_measurement_that_queried_nothing_has_no_hit_rate_and_no_busiest() -> None:
     got = summary([], 1.0, [EngineCounts(0, 0, 0)])
     assert (got["hit_rate"], got["busiest_x_mean"], got["ttft_p50_ms"]) == (0.0, 0.0, 0.0)
+    assert got["busiest_share"] == 0.0
     assert percentile([], 0.5) == 0.0
     assert percentile([3.0, 1.0, 2.0], 0.0) == 1.0
 
@@ -220,18 +241,40 @@ def test_headline_compares_cache_aware_with_one_replica_and_the_gateway() -> Non
 
 
 def test_the_proxys_routing_gauges_are_read_by_replica_name() -> None:
+    replica = 'replica="http://127.0.0.1:9"'
     text = (
         'tokenline_proxy_routing{pool="decode",what="kv_event_batches"} 42.0\n'
         'tokenline_proxy_routing{pool="decode",what="hits"} 7.0\n'
         'tokenline_proxy_routing{pool="prefill",what="hits"} 99.0\n'
-        'tokenline_proxy_routed_prompt_tokens{pool="decode",replica="http://127.0.0.1:9"} 5e3\n'
+        f'tokenline_proxy_routed_prompt_tokens{{pool="decode",{replica}}} 5e3\n'
+        f'tokenline_proxy_routed_requests{{pool="decode",{replica},adapter="a1"}} 4.0\n'
+        f'tokenline_proxy_routed_requests{{pool="decode",{replica},adapter=""}} 2.0\n'
     )
     names = {"http://127.0.0.1:9": "engine-1"}
-    assert routing_gauges(samples(text), names) == {
+    got = routing_gauges(samples(text), names)
+    assert got == {
         "kv_event_batches": 42.0,
         "hits": 7.0,
         "routed to engine-1": 5000.0,
+        "a1 requests to engine-1": 4.0,
+        "base requests to engine-1": 2.0,
     }
+    assert adapter_spread(got | {"a2 requests to engine-0": 0.0}) == {
+        "a1": {"engine-1": 4},
+        "base": {"engine-1": 2},
+    }
+
+
+def test_the_adapters_verdict_is_that_no_replica_took_every_request() -> None:
+    rows = [
+        {**row("adapters", "cache-aware", 0.5, busiest=1.2), "busiest_share": 0.4},
+        {**row("chat", "cache-aware", 0.5), "busiest_share": 1.0},
+    ]
+    heads = headline(rows)
+    assert heads["adapters"]["busiest_share"] == 0.4 and "busiest_share" not in heads["chat"]
+    assert verdicts(heads)[0] == "adapters: busiest_share 0.400x (goal < 1.0x): met"
+    rows[0]["busiest_share"] = 1.0
+    assert verdicts(headline(rows))[0] == "adapters: busiest_share 1.000x (goal < 1.0x): MISSED"
 
 
 def test_the_report_shows_every_row_and_says_what_was_not_measured() -> None:
@@ -258,6 +301,22 @@ def test_the_report_shows_every_row_and_says_what_was_not_measured() -> None:
     assert (
         "- chat through cache-aware: the proxy took a replica out of the rotation 2 times" in text
     )
+    assert "adapters, requests per replica" not in text  # no adapters workload measured
+
+
+def test_the_report_shows_where_each_adapters_requests_went() -> None:
+    measured = summary(
+        [reply(0.01)], 1.0, [EngineCounts(100, 50, 100, 6), EngineCounts(0, 0, 0, 2)]
+    )
+    rows = [
+        {"workload": "adapters", "target": t, **measured, "routing": {}, "first_errors": []}
+        for t in ("one replica", "cache-aware")
+    ]
+    rows[1]["routing"] = {"a1 requests to engine-1": 6.0, "base requests to engine-0": 2.0}
+    result = {"replicas": 2, "cpu_cores": False, "rows": rows, "verdicts": [], "skipped": {}}
+    text = markdown(result)
+    assert "- cache-aware: 6 / 2 (busiest 75%)" in text
+    assert "- a1: engine-1 6\n- base: engine-0 2" in text
 
 
 def test_tokenline_bench_routing_reaches_this_benchmark() -> None:

@@ -41,6 +41,8 @@ class Session:
     opening: tuple[Message, ...]
     asks: tuple[str, ...]
     pauses: tuple[float, ...]
+    model: str = "tiny"
+    """The served model or LoRA adapter every request of the session names."""
 
     def messages(self, k: int, answers: Sequence[str]) -> list[Message]:
         out = list(self.opening)
@@ -56,6 +58,8 @@ class Workload:
     max_tokens: int
     concurrency: int
     """Requests in flight at most (sessions past it wait for a slot)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters its engines must serve (`Session.model` names them)."""
 
     @property
     def requests(self) -> int:
@@ -129,7 +133,38 @@ def hot(seed: int, requests: int = 64, concurrency: int = 16) -> Workload:
     return Workload("hot", sessions, max_tokens=16, concurrency=concurrency)
 
 
-WORKLOADS: dict[str, Callable[[int], Workload]] = {"chat": chat, "agent": agent, "hot": hot}
+ADAPTERS = ("a1", "a2", "a3")
+
+
+def adapters(seed: int, conversations: int = 16, turns: int = 3) -> Workload:
+    """Conversations spread over three LoRA adapters and the base model in turn, each with a
+    system prompt of its own (an adapter's blocks are its own: vLLM keys them by adapter),
+    8 at a time."""
+    rng = random.Random(f"adapters-{seed}")
+    models = ("tiny", *ADAPTERS)
+    systems = {
+        m: {"role": "system", "content": f"You are assistant {m}. " + sentences(rng, 150)}
+        for m in models
+    }
+    sessions = tuple(
+        Session(
+            f"conversation-{i}",
+            (systems[models[i % len(models)]],),
+            tuple(sentences(rng, rng.randint(15, 40)) + "?" for _ in range(turns)),
+            (rng.uniform(0.0, 0.5), *(rng.uniform(0.2, 1.0) for _ in range(turns - 1))),
+            model=models[i % len(models)],
+        )
+        for i in range(conversations)
+    )
+    return Workload("adapters", sessions, max_tokens=32, concurrency=8, adapters=ADAPTERS)
+
+
+WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "chat": chat,
+    "agent": agent,
+    "hot": hot,
+    "adapters": adapters,
+}
 
 # --------------------------------------------------------------------------- driving
 
@@ -147,10 +182,10 @@ def failed(error: str) -> Reply:
     return Reply(0.0, 0.0, 0, "", error)
 
 
-def body(messages: list[Message], max_tokens: int) -> dict[str, Any]:
+def body(messages: list[Message], max_tokens: int, model: str = "tiny") -> dict[str, Any]:
     """A streamed greedy chat request of exactly `max_tokens` tokens."""
     return {
-        "model": "tiny",
+        "model": model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -200,7 +235,8 @@ async def run_session(
     for k, pause in enumerate(session.pauses):
         await asyncio.sleep(pause)
         async with slots:
-            reply = await ask(http, url, body(session.messages(k, answers), max_tokens))
+            request = body(session.messages(k, answers), max_tokens, session.model)
+            reply = await ask(http, url, request)
         replies.append(reply)
         if reply.error is not None:
             break

@@ -21,12 +21,16 @@ Workloads (seeded; answers are the model's own, greedy, appended as a chat clien
          follow-ups over its own growing history
   hot    64 one-shot requests behind one long prefix, 16 at a time: no replica should take
          more than 1.5x the mean prompt tokens
+  adapters  16 conversations of 3 turns over three LoRA adapters and the base model, 8 at a
+         time, on engines of their own (`--enable-lora --max-loras 2`): the requests of each
+         adapter per replica (the proxy's count, cache-aware), and the busiest replica's share
+         of all requests (the engines' counters); the gateway is not measured on it
 
 Per target: the prefix cache hit rate (vLLM's `prefix_cache_hits` / `prefix_cache_queries`,
 tokens, summed over the engines), prompt tokens computed (queries - hits), TTFT p50/p90, output
 tokens/s, prompt tokens per replica (`vllm:prompt_tokens`) and the busiest's multiple of the
-mean. `--cpu-cores` keeps each engine on one core (in turn over the cores this process may
-use) with one OpenMP thread.
+mean, requests per replica (`vllm:request_success`). `--cpu-cores` keeps each engine on one
+core (in turn over the cores this process may use) with one OpenMP thread.
 """
 
 from __future__ import annotations
@@ -76,18 +80,20 @@ class EngineCounts:
     queries: float
     hits: float
     prompt_tokens: float
+    requests: float = 0.0
 
 
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
 PROMPT = "vllm:prompt_tokens_total"
+REQUESTS = "vllm:request_success_total"
 
 
 def engine_counts(before: Metrics, after: Metrics) -> EngineCounts:
     def delta(name: str) -> float:
         return total(after, name) - total(before, name)
 
-    return EngineCounts(delta(QUERIES), delta(HITS), delta(PROMPT))
+    return EngineCounts(delta(QUERIES), delta(HITS), delta(PROMPT), delta(REQUESTS))
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -106,6 +112,7 @@ def summary(
     hits = sum(e.hits for e in engines)
     prompt = [e.prompt_tokens for e in engines]
     mean = sum(prompt) / len(prompt) if prompt else 0.0
+    requests = [e.requests for e in engines]
     return {
         "requests": len(replies),
         "errors": len(replies) - len(ok),
@@ -118,10 +125,12 @@ def summary(
         "output_tokens_per_s": sum(r.tokens for r in ok) / seconds if seconds else 0.0,
         "replica_prompt_tokens": prompt,
         "busiest_x_mean": max(prompt) / mean if mean else 0.0,
+        "replica_requests": requests,
+        "busiest_share": max(requests) / sum(requests) if sum(requests) else 0.0,
     }
 
 
-GOALS = {"vs_one_replica": 0.95, "vs_gateway": 1.0, "busiest_x_mean": 1.5}
+GOALS = {"vs_one_replica": 0.95, "vs_gateway": 1.0, "busiest_x_mean": 1.5, "busiest_share": 1.0}
 
 
 def headline(
@@ -136,6 +145,8 @@ def headline(
         if mine is None:
             continue
         got = {"busiest_x_mean": mine["busiest_x_mean"]}
+        if workload == "adapters":
+            got["busiest_share"] = mine["busiest_share"]
         for key, other in (("vs_one_replica", "one replica"), ("vs_gateway", "gateway")):
             peer = by.get((workload, other))
             if peer is not None and peer["hit_rate"]:
@@ -146,16 +157,24 @@ def headline(
 
 def verdicts(heads: dict[str, dict[str, float]]) -> list[str]:
     """The goals, one line each: hit rate >= 0.95x one replica's and >= 1.0x the gateway's
-    (chat and agent), busiest <= 1.5x the mean (hot prefix)."""
+    (chat and agent), busiest <= 1.5x the mean (hot prefix), the busiest replica's share of
+    the requests below all of them (adapters)."""
     lines = []
     for workload, got in heads.items():
-        checks = ("busiest_x_mean",) if workload == "hot" else ("vs_one_replica", "vs_gateway")
+        checks = {
+            "hot": ("busiest_x_mean",),
+            "adapters": ("busiest_share",),
+        }.get(workload, ("vs_one_replica", "vs_gateway"))
         for key in checks:
             if key not in got:
                 continue
             goal = GOALS[key]
-            met = got[key] <= goal if key == "busiest_x_mean" else got[key] >= goal
-            sign = "<=" if key == "busiest_x_mean" else ">="
+            if key == "busiest_share":
+                met, sign = got[key] < goal, "<"
+            elif key == "busiest_x_mean":
+                met, sign = got[key] <= goal, "<="
+            else:
+                met, sign = got[key] >= goal, ">="
             word = "met" if met else "MISSED"
             lines.append(f"{workload}: {key} {got[key]:.3f}x (goal {sign} {goal}x): {word}")
     return lines
@@ -192,7 +211,12 @@ class Shared:
     gateway: Path | None
 
 
-def engine(name: str, model: Path, core: int | None) -> Process:
+LORA_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+
+
+def engine(
+    name: str, model: Path, core: int | None, loras: dict[str, Path] | None = None
+) -> Process:
     """A generate engine as `tokenline up` starts it (KV events on), with vLLM's dev routes
     (`/reset_prefix_cache`).
 
@@ -211,16 +235,26 @@ def engine(name: str, model: Path, core: int | None) -> Process:
     )
     events = json.loads(kv_events_config(config) or "{}")
     events["endpoint"] = f"tcp://*:{port + KV_EVENTS_OFFSET}"
-    config = msgspec.structs.replace(config, extra_args=("--kv-events-config", json.dumps(events)))
+    extra: tuple[str, ...] = ("--kv-events-config", json.dumps(events))
+    if loras:
+        extra += (*LORA_FLAGS, "--lora-modules", *(f"{a}={p}" for a, p in loras.items()))
+    config = msgspec.structs.replace(config, extra_args=extra)
     env = environment(config) | {"VLLM_SERVER_DEV_MODE": "1"}
     return Process(name, command(config), port, env=env, output=servers.log_file(name))
 
 
 @contextmanager
-def shared_servers(model: Path, replicas: int, pin: bool, gateway: Path | None) -> Iterator[Shared]:
+def shared_servers(
+    model: Path,
+    replicas: int,
+    pin: bool,
+    gateway: Path | None,
+    loras: dict[str, Path] | None = None,
+) -> Iterator[Shared]:
+    """The engines (serving `loras`, when given) and render and derender, up for the block."""
     cores = sorted(os.sched_getaffinity(0))
     engines = [
-        engine(f"routing-engine-{k}", model, cores[k % len(cores)] if pin else None)
+        engine(f"routing-engine-{k}", model, cores[k % len(cores)] if pin else None, loras)
         for k in range(replicas)
     ]
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
@@ -318,6 +352,9 @@ def routing_gauges(page: Metrics, names: dict[str, str]) -> dict[str, float]:
         elif name == "tokenline_proxy_routed_prompt_tokens":
             replica = _label(labels, "replica")
             out["routed to " + names.get(replica, replica)] = value
+        elif name == "tokenline_proxy_routed_requests":
+            replica, adapter = _label(labels, "replica"), _label(labels, "adapter")
+            out[f"{adapter or 'base'} requests to {names.get(replica, replica)}"] = value
     return out
 
 
@@ -385,11 +422,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     targets, skipped, gateway = plan(args)
     workloads = [WORKLOADS[name](args.seed) for name in args.workloads]
     rows = []
-    with shared_servers(model, args.replicas, args.cpu_cores, gateway) as shared:
-        for workload in workloads:  # the targets of a workload measured close in time
-            for target in targets:
-                print(f"routing: {workload.name} through {target.name}", file=sys.stderr)
-                rows.append(measure(shared, target, workload))
+    for group in (
+        [w for w in workloads if not w.adapters],
+        [w for w in workloads if w.adapters],
+    ):
+        if not group:
+            continue
+        loras = lora_adapters(model, group)
+        with shared_servers(model, args.replicas, args.cpu_cores, gateway, loras) as shared:
+            for workload in group:  # the targets of a workload measured close in time
+                for target in targets:
+                    if workload.adapters and target.routing is None:
+                        skipped["gateway on adapters"] = "its HTTP mode knows no LoRA adapters"
+                        continue
+                    print(f"routing: {workload.name} through {target.name}", file=sys.stderr)
+                    rows.append(measure(shared, target, workload))
     heads = headline(rows)
     return {
         "replicas": args.replicas,
@@ -400,6 +447,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "headline": heads,
         "verdicts": verdicts(heads),
+    }
+
+
+def lora_adapters(model: Path, workloads: Sequence[Workload]) -> dict[str, Path]:
+    """The LoRA adapters `workloads` name, made for `model` (seeded by their order) under
+    the build directory."""
+    from tokenline.launch.models.lora import make_lora
+
+    names = dict.fromkeys(a for w in workloads for a in w.adapters)
+    out = servers.build_dir() / "models"
+    return {
+        name: make_lora(model, out / f"{model.name}-lora-{seed}", seed=seed)
+        for seed, name in enumerate(names, start=1)
     }
 
 
@@ -430,6 +490,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['output_tokens_per_s']:.0f} | {per} | {r['busiest_x_mean']:.2f}x "
             f"| {r['errors']} |"
         )
+    lines += spread_lines(result["rows"])
     lines += ["", *(f"- {v}" for v in result["verdicts"])]
     lines += [f"- {name} not measured: {why}" for name, why in result["skipped"].items()]
     lines += ["", "cache-aware's proxy (decode pool):", ""]
@@ -446,6 +507,41 @@ def markdown(result: dict[str, Any]) -> str:
         for error in r["first_errors"]:
             lines.append(f"- error, {r['workload']} through {r['target']}: {error}")
     return "\n".join(lines) + "\n"
+
+
+def adapter_spread(gauges: dict[str, float]) -> dict[str, dict[str, int]]:
+    """The proxy's requests per adapter ("base": the base model) per replica, from a row's
+    routing gauges (`routing_gauges`)."""
+    out: dict[str, dict[str, int]] = {}
+    for key, value in gauges.items():
+        adapter, sep, replica = key.partition(" requests to ")
+        if sep and value:
+            out.setdefault(adapter, {})[replica] = int(value)
+    return dict(sorted(out.items()))
+
+
+def spread_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """For the adapters workload: requests per replica by target (the engines' counters) and
+    the busiest's share, then where cache-aware routing sent each adapter's requests."""
+    mine = [r for r in rows if r["workload"] == "adapters"]
+    if not mine:
+        return []
+    lines = [
+        "",
+        "adapters, requests per replica (the engines' counters) and the busiest's share:",
+        "",
+    ]
+    for r in mine:
+        per = " / ".join(f"{n:,.0f}" for n in r["replica_requests"])
+        lines.append(f"- {r['target']}: {per} (busiest {r['busiest_share']:.0%})")
+    for r in mine:
+        if r["target"] != "cache-aware":
+            continue
+        lines += ["", "adapters through cache-aware, requests of each adapter per replica:", ""]
+        for adapter, replicas in adapter_spread(r["routing"]).items():
+            where = ", ".join(f"{name} {n}" for name, n in sorted(replicas.items()))
+            lines.append(f"- {adapter}: {where}")
+    return lines
 
 
 def _number(value: float) -> str:
