@@ -136,6 +136,7 @@ def test_kinds_come_from_fixtures_paths_and_marks(tmp_path: Path) -> None:
     }
     assert kinds["unit"] == {
         "test_roles_get_their_connector_settings",
+        "test_kv_events_are_published_where_vllm_binds",
         "test_one_builder_for_every_vllm",
         "test_cores_the_launcher_may_not_use_are_refused_before_vllm_starts",
     }
