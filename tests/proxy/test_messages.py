@@ -20,7 +20,7 @@ import anthropic
 import pytest
 
 from tests.conftest import Fleet
-from tests.proxy.conftest import Pipeline
+from tests.proxy.conftest import Pipeline, engine_metric
 from tokenline.launch.bench.http import post, post_raw
 
 MODEL = "tiny-qwen3"
@@ -38,6 +38,7 @@ WEATHER = {
     "strict": True,
 }
 NO_THINKING = {"thinking": {"type": "disabled"}}
+KV_MOVED = ("vllm:prompt_tokens_by_source_total", "external_kv")
 
 
 def _request(**extra: Any) -> dict[str, Any]:
@@ -311,3 +312,13 @@ def test_anthropic_client_whole_and_streamed(fleet: Fleet, hermes_pipeline: Pipe
     assert texts == answer.content[0].text
     assert streamed.stop_reason == "max_tokens"
     assert streamed.usage.output_tokens == answer.usage.output_tokens
+
+
+def test_through_prefill_and_decode_equals_vllm(fleet: Fleet, pd_pipeline: Pipeline) -> None:
+    """Through the real P/D pair (KV over NIXL): whole and streamed answers equal monolithic
+    vLLM's on the tiny model, and the prompts' KV did come over."""
+    moved = engine_metric(fleet.decode, *KV_MOVED)
+    body = {**_request(max_tokens=10), "model": "tiny", "system": "Be brief."}
+    answer = _both(pd_pipeline, fleet.oracle.url, body)
+    assert answer["stop_reason"] == "max_tokens"
+    assert engine_metric(fleet.decode, *KV_MOVED) > moved
