@@ -90,6 +90,13 @@ async def _stored(request: web.Request, response_id: str, param: str) -> StoredR
 
 
 async def retrieve(request: web.Request) -> web.Response:
+    """A stored response. vLLM's `stream` and `starting_after` replay a background response's
+    events; tokenline has none (`background` is refused), so they are 400s naming them."""
+    for name in ("stream", "starting_after"):
+        if request.query.get(name, "false").lower() not in ("false", "0", ""):
+            raise BadRequest(
+                f"`{name}` replays a background response's events: not served", param=name
+            )
     stored = await _stored(request, request.match_info["response_id"], "response_id")
     return web.Response(body=stored.response, content_type="application/json")
 
