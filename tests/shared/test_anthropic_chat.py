@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
+import typing
 from typing import Any
 
 import msgspec
@@ -15,14 +18,20 @@ from hypothesis import strategies as st
 
 from tokenline.shared.anthropic import (
     MESSAGES_REQUEST,
+    Block,
     BlockDeltaEvent,
     BlockStart,
     BlockStop,
+    CountTokensRequest,
     Event,
+    Message,
     MessageDelta,
+    MessagesRequest,
     MessageStart,
     MessageStop,
     SignatureDelta,
+    Tool,
+    ToolChoice,
 )
 from tokenline.shared.anthropic_answers import MessageEvents, message
 from tokenline.shared.anthropic_chat import chat_body
@@ -294,3 +303,49 @@ def test_text_after_a_tool_call_waits_for_its_block_to_stop() -> None:
         ("BlockStop", 1),
         ("MessageStop", None),
     ]
+
+
+VLLM_MODELS = {
+    "request": "AnthropicMessagesRequest",
+    "count": "AnthropicCountTokensRequest",
+    "message": "AnthropicMessage",
+    "tool": "AnthropicTool",
+    "tool_choice": "AnthropicToolChoice",
+    "block": "AnthropicContentBlock",
+}
+OURS = {
+    "request": MessagesRequest,
+    "count": CountTokensRequest,
+    "message": Message,
+    "tool": Tool,
+    "tool_choice": ToolChoice,
+}
+
+
+def _vllm_fields() -> dict[str, Any]:
+    """The installed vLLM's Anthropic request models' fields and block types (read in a child:
+    importing vLLM loads torch)."""
+    code = (
+        "import json, typing; import vllm.entrypoints.anthropic.protocol as p\n"
+        f"out = {{k: sorted(getattr(p, n).model_fields) for k, n in {VLLM_MODELS!r}.items()}}\n"
+        "out['block_types'] = sorted(typing.get_args("
+        "p.AnthropicContentBlock.model_fields['type'].annotation))\n"
+        "print(json.dumps(out))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True
+    )
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_every_field_and_block_of_vllms_models_is_modelled() -> None:
+    """A field a later vLLM adds fails here until it is handled (taken, or refused by name):
+    never silently dropped, since the request types refuse what they do not name."""
+    fields = _vllm_fields()
+    for key, ours in OURS.items():
+        assert set(fields[key]) <= set(ours.__struct_fields__), key
+    blocks = typing.get_args(Block)
+    assert {b.__struct_config__.tag for b in blocks} == set(fields["block_types"])
+    block_fields = {f for b in blocks for f in b.__struct_fields__}
+    assert set(fields["block"]) - {"type"} <= block_fields
