@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from tokenline.shared.http import json_response, read_json_body
 from tokenline.shared.kinds import CHAT
 from tokenline.shared.wire import CHAT_CHUNK, JSON, ChatCompletionChunk
 
+log = logging.getLogger(__name__)
 MESSAGES_RENDER = dataclasses.replace(CHAT, render_path="/v1/messages/render")
 """Chat as render builds it from a Messages request."""
 FIELD_NAMES = {"thinking_token_budget": "thinking.budget_tokens", "stop": "stop_sequences"}
@@ -64,6 +66,8 @@ def anthropic_errors(route: Route) -> Route:
             return await route(request)
         except Exception as exc:
             err = as_service_error(exc)
+            if err.status >= 500:
+                log.warning("request.failed %s: %s", request.path, err.message)
             response = json_response(error_out(err), status=err.status)
             response.headers.update(err.headers())
             return response
