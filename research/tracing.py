@@ -39,12 +39,20 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rate", type=float, default=1000, help="tokens/s per stream (double)")
     parser.add_argument("--rounds", type=int, default=4, help="turns per front end (ABBA...)")
+    parser.add_argument(
+        "--sampler", help="OTEL_TRACES_SAMPLER of the traced side, e.g. parentbased_traceidratio"
+    )
+    parser.add_argument("--sampler-arg", help="its OTEL_TRACES_SAMPLER_ARG, e.g. 0.1")
     args = parser.parse_args()
     model = build("tiny", servers.build_dir() / "models" / "tiny")
     common = ("--model", str(model), "--served-model-name", "tiny", "--max-model-len", "2048")
     off = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     with receiving() as receiver:
         on = off | {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}
+        if args.sampler:
+            on |= {"OTEL_TRACES_SAMPLER": args.sampler}
+        if args.sampler_arg:
+            on |= {"OTEL_TRACES_SAMPLER_ARG": args.sampler_arg}
         double = servers.generate_double("trace-double", args.rate, lockstep=True)
         render = service("trace-render", off, "render", *common)
         derenders = {
