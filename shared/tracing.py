@@ -236,7 +236,8 @@ class _Otel(Tracing):
         try:
             yield span
         except BaseException as exc:
-            span.fail(exc)
+            if not isinstance(exc, asyncio.CancelledError | GeneratorExit):  # (left: no failure)
+                span.fail(exc)
             raise
         finally:
             span.end()

@@ -4,6 +4,10 @@
 retried on another replica through `proxy.retry`; the prefill leg tries each prefill replica
 and falls back to decode-only; a decode leg that fails behind a prefill is run once more
 behind a fresh prefill (`behind_prefill`), as long as nothing has reached the client.
+
+While the request is traced (`shared/tracing.py`), each call here is a span, a child of the
+request's, and names itself as the parent in the `traceparent` the call carries: render, each
+prefill and decode leg (a stream's ends with it), never a chunk.
 """
 
 from __future__ import annotations
