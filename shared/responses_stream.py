@@ -105,9 +105,17 @@ class ResponseEvents:
         return events
 
     def flush(self) -> list[Event]:
-        """Close the open item, then `response.completed` (or `.incomplete`'s status: vLLM
-        sends `response.completed` for both, the status telling them apart)."""
-        events = self._close()
+        """The stream's end: `close`, `finish`, then `completed`."""
+        events = self.close()
+        self.finish()
+        return events + self.completed()
+
+    def close(self) -> list[Event]:
+        """The open item's `.done` events (none when no item is open)."""
+        return self._close()
+
+    def finish(self) -> Response:
+        """The final Response (`self.response`), of the items closed so far."""
         self.response = response_of(
             self.request,
             self.response_id,
@@ -117,8 +125,13 @@ class ResponseEvents:
             usage_of(self.usage),
             self.created_at,
         )
-        events.append(self._event("response.completed", response=_builtins(self.response)))
-        return events
+        return self.response
+
+    def completed(self) -> list[Event]:
+        """`response.completed` with the final Response (vLLM sends it for an incomplete one
+        too, the status telling them apart)."""
+        assert self.response is not None, "finish() first"
+        return [self._event("response.completed", response=_builtins(self.response))]
 
     # ------------------------------------------------------------------ transitions
 

@@ -134,9 +134,9 @@ async def create(request: web.Request) -> web.StreamResponse:
 
         async def run() -> None:
             await answer_stream(request, CHAT, client, raw, out)
-            framing.finish()
-            assert framing.state.response is not None
-            await _save(request, asked, framing.state.response, history + items)
+            response = framing.finish()
+            await out.send([])  # the last item's `.done` events; `response.completed` waits
+            await _save(request, asked, response, history + items)
 
         return await out.serve(run())
 
@@ -174,13 +174,14 @@ def _sse(event: Event) -> bytes:
 
 class ResponsesSse:
     """The Responses framing of a chat stream (`EventStream`): `event: <type>` + `data:`
-    events, as vLLM frames them; no `[DONE]`. `response.completed` is written by `end`, after
-    `finish` (which the route calls once the response is saved)."""
+    events, as vLLM frames them; no `[DONE]`. Once the chat stream ended, `finish` closes the
+    last item (its events go out with the next write); `response.completed` is `end`'s, which
+    `EventStream` writes only when the route's run succeeded, the save included."""
 
     def __init__(self, state: ResponseEvents) -> None:
         self.state = state
         self.started = False
-        self.last: bytes = b""
+        self.pending: list[Event] = []
 
     def _begin(self) -> list[Event]:
         if self.started:
@@ -192,18 +193,18 @@ class ResponsesSse:
         dicts = [_as_dict(c) for c in chunks]
         if not self.started and dicts:  # the served name, for a request that named none
             self.state.model = dicts[0].get("model") or self.state.model
-        out = self._begin()
+        out, self.pending = self._begin() + self.pending, []
         for chunk in dicts:
             out += self.state.feed(chunk)
         return b"".join(map(_sse, out))
 
-    def finish(self) -> None:
-        """The stream's end: the open item's `.done` events and `response.completed`, held
-        until `end` writes them."""
-        self.last = b"".join(map(_sse, self._begin() + self.state.flush()))
+    def finish(self) -> Response:
+        """The final Response; the open item's `.done` events wait for the next write."""
+        self.pending += self.state.close()
+        return self.state.finish()
 
     def end(self) -> bytes:
-        return self.last
+        return self.events([]) + b"".join(map(_sse, self.state.completed()))
 
     def failed(self, exc: ServiceError) -> bytes:
         event = {

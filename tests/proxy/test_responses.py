@@ -320,6 +320,9 @@ def test_a_store_that_is_down_is_a_503_and_nothing_is_reported_saved(
     stream = events(ours.responses.create(**CASES["text"], stream=True))
     assert stream[-1].type == "error" and "store" in stream[-1].message
     assert not any(e.type == "response.completed" for e in stream)
+    # every item was closed before the save was tried; the error follows in sequence
+    assert stream[-2].type == "response.output_item.done"
+    assert [e.sequence_number for e in stream] == list(range(len(stream)))
     assert ours.responses.create(**CASES["text"], store=False).status == "completed"
 
 
