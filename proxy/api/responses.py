@@ -77,9 +77,12 @@ def add_responses_routes(app: web.Application, store_url: str) -> None:
 
 
 def owner_of(request: web.Request) -> str:
-    """Whose records a request reads and writes: the hash of its bearer key."""
+    """Whose records a request reads and writes: the hash of the key it was let in with (its
+    bearer key, or Anthropic clients' `x-api-key`, as the auth middleware reads them)."""
     auth = request.headers.get("Authorization", "")
-    return key_hash(auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None)
+    if auth.startswith("Bearer "):
+        return key_hash(auth.removeprefix("Bearer ").strip())
+    return key_hash(request.headers.get("x-api-key"))
 
 
 async def _stored(request: web.Request, response_id: str, param: str) -> StoredResponse:

@@ -51,6 +51,14 @@ async def test_retrieve_is_per_key(proxy: Any) -> None:
     assert (await theirs.json())["error"]["param"] == "response_id"
 
 
+async def test_an_x_api_key_is_the_same_key(proxy: Any) -> None:
+    mine = await proxy.get("/v1/responses/resp_1", headers={"x-api-key": "alice"})
+    assert mine.status == 200
+    theirs = await proxy.get("/v1/responses/resp_1", headers={"x-api-key": "bob"})
+    assert theirs.status == 404
+    assert (await proxy.get("/v1/responses/resp_1")).status == 404  # no key: no owner's
+
+
 async def test_delete_is_per_key(proxy: Any) -> None:
     assert (await proxy.delete("/v1/responses/resp_1", headers=BOB)).status == 404
     gone = await proxy.delete("/v1/responses/resp_1", headers=ALICE)
