@@ -120,7 +120,7 @@ class PrefixRouting:
     """The engines' PYTHONHASHSEED, if they set one (vLLM seeds its block hashes with it)."""
     cap: float = 1.5
     stream_cost: float = 64.0
-    slack: float = 8192.0
+    slack: float = 0.0
     sent_ttl: float = 120.0
     recent_half_life: float = 300.0
     """Seconds over which the prompt tokens sent to a replica count half as much toward its

@@ -8,21 +8,22 @@ decayed over a time window: `decayed`) plus the same price per running stream, w
 the work of requests that have already finished.
 
 The replica whose work after taking the prompt is least wins, so a cached prefix counts as
-the prefill work it saves. A token the prompt computes weighs `compute_cost` (4) tokens of
+the prefill work it saves. A token the prompt computes weighs `compute_cost` (2) tokens of
 work in flight: work in flight passes (the engine batches the prompt with it), while computing
 again what another replica holds is spent for good, and moves a conversation's history to a
 replica that computes it again if the next turn goes back.
 
 One hard rule keeps affinity from piling work on a replica: only replicas whose standing after
-taking the prompt is at most `cap` (1.5) times the mean, or at most `slack` tokens above it,
-take part (as the SGLang gateway's relative and absolute balance thresholds). If none does,
-the least standing takes it, so every prompt goes somewhere, and no replica's standing ever
-ends past the larger of `cap` times the mean and the mean plus `slack`, plus one prompt. Since
-the standing outlives the requests, the cap holds over the window, not only among requests in
-flight: one-shot requests that each find every replica idle would otherwise all go where
-their prefix is. The slack keeps a shared prefix in one place while the load is light, where
-the relative rule alone would move the second request off a replica that took one, to compute
-the prefix again. Equal choices go to the least standing, then take turns.
+taking the prompt is at most `cap` (1.5) times the mean, or at most `slack` tokens above it
+(none by default), take part. If none does (the first prompts), those within half a prompt of
+the least standing do, so every prompt goes somewhere, and no replica's standing ever ends
+past the larger of `cap` times the mean and the mean plus `slack`, plus two prompts. Since the
+standing outlives the requests, the cap holds over the window, not only among requests in
+flight: one-shot requests that each find every replica idle would otherwise all go where their
+prefix is, and new conversations behind one system prompt would gather on the replica that
+holds it, to be moved off it later, when their histories have grown. A `slack` (as the SGLang
+gateway's absolute balance threshold) keeps a shared prefix in one place while the load is
+light, at that price. Equal choices go to the least standing, then take turns.
 
 A prompt for a LoRA adapter weighs a little more where the adapter has not run lately
 (`Candidate.cold`), so an adapter's requests gather on the replicas that run it, and spread
@@ -74,8 +75,8 @@ class PrefixChooser:
         *,
         cap: float = 1.5,
         stream_cost: float = 64.0,
-        slack: float = 8192.0,
-        compute_cost: float = 4.0,
+        slack: float = 0.0,
+        compute_cost: float = 2.0,
     ):
         """`stream_cost`: the tokens of prefill one running stream weighs as; `slack`: the
         prompt tokens a replica may stand above the mean before the cap applies;
@@ -112,13 +113,17 @@ class PrefixChooser:
 
     def eligible(self, candidates: Sequence[Candidate], prompt_tokens: int = 0) -> list[int]:
         """Indices of the candidates whose standing after taking the prompt is within `cap`
-        times the mean or `slack` above it (if none is: the least standing)."""
+        times the mean or `slack` above it (if none is: those within half the prompt of the
+        least standing)."""
         standings = [self.standing(c.load) for c in candidates]
         added = prompt_tokens + self.stream_cost
         mean = (sum(standings) + added) / len(standings)
         limit = max(self.cap * mean, mean + self.slack)
         within = [i for i, s in enumerate(standings) if s + added <= limit]
-        return within or [min(range(len(standings)), key=standings.__getitem__)]
+        if within:
+            return within
+        least = min(standings)
+        return [i for i, s in enumerate(standings) if s <= least + prompt_tokens / 2]
 
     def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> int:
         """The index of the candidate to send a `prompt_tokens` prompt to."""

@@ -248,6 +248,8 @@ def test_an_adapters_requests_gather_where_it_runs_and_spread_under_load() -> No
     pool = routed_pool(("a", "b", "c"))
     assert pool.routing is not None
     pool.routing.adapters["a1"] = "/loras/a1"
+    # every replica has served other prompts lately: a few more stay within the load cap
+    pool.routing.recent = {url: (100.0, 0.0) for url in ("a", "b", "c")}
     first = pool.pick((), pool.prompt(adapter_gen([1, 2, 3], "a1"))).worker  # type: ignore[arg-type]
     for n in range(6):  # different prompts, nothing cached: the adapter's replica, while idle
         prompt = pool.prompt(adapter_gen([10 * n + k for k in range(3)], "a1"))

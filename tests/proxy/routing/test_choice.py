@@ -151,10 +151,9 @@ def test_the_pick_is_within_the_cap_and_least_loaded_after(
     standings = [chooser.standing(c.load) for c in candidates]
     added = prompt + chooser.stream_cost
     after_standings = [s + added * (i == pick) for i, s in enumerate(standings)]
-    # within the cap after taking it, or (none is) the least standing before
-    assert after_standings[pick] <= bound(chooser, after_standings) + 1e-6 or standings[
-        pick
-    ] == min(standings)
+    # within the cap after taking it, or (none is) within half the prompt of the least
+    within = after_standings[pick] <= bound(chooser, after_standings) + 1e-6
+    assert within or standings[pick] <= min(standings) + prompt / 2
     after = [
         chooser.weight(c.load) + chooser.compute_cost * chooser.uncached(prompt, c.cached_blocks)
         for c in candidates
@@ -182,8 +181,8 @@ def test_one_hot_prefix_never_loads_a_replica_past_the_cap(
 ) -> None:
     """Every request shares the hot prefix, which replica 0 holds from the start; replicas
     learn it as requests reach them. Nothing finishes, so load only grows: no replica ever
-    stands past 1.5x the mean (or the slack above it) plus one request's worth (when every
-    replica is past it, the least takes the request)."""
+    stands past 1.5x the mean (or the slack above it) plus two requests' worth (when every
+    replica is past it, those within half a request of the least take it)."""
     chooser = PrefixChooser(block_size, stream_cost=stream_cost, slack=slack)
     indexes = [BlockIndex() for _ in range(replicas)]
     indexes[0].stored(HOT)
@@ -197,7 +196,7 @@ def test_one_hot_prefix_never_loads_a_replica_past_the_cap(
         ]
         pick = chooser.choose(candidates, prompt)
         uncached = chooser.uncached(prompt, candidates[pick].cached_blocks)
-        largest = max(largest, prompt + stream_cost)
+        largest = max(largest, 2 * (prompt + stream_cost))
         was = loads[pick]
         loads[pick] = Load(was.uncached_tokens + uncached, was.streams + 1, was.recent + prompt)
         indexes[pick].sent(keys, now=n)
