@@ -339,6 +339,7 @@ def _vllm_fields() -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow  # reads the fields in a child importing vLLM (~5-14 s)
 def test_every_field_and_block_of_vllms_models_is_modelled() -> None:
     """A field a later vLLM adds fails here until it is handled (taken, or refused by name):
     never silently dropped, since the request types refuse what they do not name."""

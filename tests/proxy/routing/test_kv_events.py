@@ -4,6 +4,7 @@ vLLM's own publisher (in this process, over ipc sockets)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import warnings
@@ -32,12 +33,18 @@ from tokenline.proxy.routing.kv_events import (
 )
 from tokenline.proxy.routing.prefix import BlockHasher, LoraKey, block_key
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # importing vLLM (torch) warns about their deprecations
-    from vllm.distributed import kv_events as vllm_events
-
 pytestmark = pytest.mark.unit
 ENCODE = msgspec.msgpack.Encoder()
+
+
+@functools.cache
+def vllm_events() -> Any:
+    """vLLM's own KV-event module, imported when a test first needs it: importing vLLM loads
+    torch (seconds), which collecting this module should not cost every run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # importing vLLM (torch) warns about their deprecations
+        from vllm.distributed import kv_events
+    return kv_events
 
 
 def stored(*keys: int | bytes, **fields: Any) -> Any:
@@ -52,16 +59,16 @@ def stored(*keys: int | bytes, **fields: Any) -> Any:
         "lora_name": None,
         "group_idx": 0,
     }
-    return vllm_events.BlockStored(**(values | fields))
+    return vllm_events().BlockStored(**(values | fields))
 
 
 def removed(*keys: int, **fields: Any) -> Any:
-    return vllm_events.BlockRemoved(**({"block_hashes": list(keys), "medium": "GPU"} | fields))
+    return vllm_events().BlockRemoved(**({"block_hashes": list(keys), "medium": "GPU"} | fields))
 
 
 def payload(*events: Any) -> bytes:
     """A batch as vLLM's publisher encodes it."""
-    return ENCODE.encode(vllm_events.KVEventBatch(ts=1.0, events=list(events)))
+    return ENCODE.encode(vllm_events().KVEventBatch(ts=1.0, events=list(events)))
 
 
 # --- wire format
@@ -75,7 +82,7 @@ def test_vllm_batches_decode() -> None:
             ),
             stored(b"\x01" * 32, parent_block_hash=b"\x02" * 32, lora_name="a", extra_keys=[["a"]]),
             removed(3, medium="CPU", group_idx=1),
-            vllm_events.AllBlocksCleared(),
+            vllm_events().AllBlocksCleared(),
         )
     )
     one, two, three, four = batch.events
@@ -109,7 +116,7 @@ def test_apply_batch_takes_its_group_and_medium_only() -> None:
     )
     apply_batch(index, batch)
     assert [index.copies(k) for k in range(1, 7)] == [1, 0, 0, 0, 1, 1]
-    apply_batch(index, BATCH.decode(payload(vllm_events.AllBlocksCleared())))
+    apply_batch(index, BATCH.decode(payload(vllm_events().AllBlocksCleared())))
     assert index.held == 0
 
 
@@ -272,7 +279,7 @@ class Engine:
                 events.append(removed(key))
             else:
                 self.truth.clear()
-                events.append(vllm_events.AllBlocksCleared())
+                events.append(vllm_events().AllBlocksCleared())
         message = (len(self.sent), payload(*events))
         self.sent.append(message)
         return message
@@ -339,7 +346,7 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 def publisher(endpoint: str, replay: str | None, buffer_steps: int = 10_000) -> Any:
-    return vllm_events.ZmqEventPublisher(
+    return vllm_events().ZmqEventPublisher(
         data_parallel_rank=0,
         endpoint=endpoint,
         replay_endpoint=replay,
@@ -349,7 +356,7 @@ def publisher(endpoint: str, replay: str | None, buffer_steps: int = 10_000) -> 
 
 
 def publish(pub: Any, *events: Any) -> None:
-    pub.publish(vllm_events.KVEventBatch(ts=0, events=list(events)))
+    pub.publish(vllm_events().KVEventBatch(ts=0, events=list(events)))
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -504,7 +511,7 @@ async def test_the_lag_is_the_time_since_the_engine_stamped_its_batch(
         await join(pub, subscriber)  # its probes are stamped 0: decades late
         assert subscriber.lag > 1e9
         applied = subscriber.applied
-        pub.publish(vllm_events.KVEventBatch(ts=time.time(), events=[stored(7)]))
+        pub.publish(vllm_events().KVEventBatch(ts=time.time(), events=[stored(7)]))
         await until(lambda: subscriber.applied > applied)
         assert 0.0 <= subscriber.lag < 5.0
     finally:

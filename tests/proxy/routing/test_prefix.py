@@ -3,6 +3,7 @@ keys, seed resolution and event hash form."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from types import SimpleNamespace
@@ -25,13 +26,20 @@ from tokenline.proxy.routing.prefix import (
     engine_seed,
 )
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # importing vLLM (torch) warns about their deprecations
-    from vllm.lora.request import LoRARequest
-    from vllm.utils import hashing
-    from vllm.v1.core import kv_cache_utils
-
 pytestmark = pytest.mark.unit
+
+
+@functools.cache
+def vllm() -> SimpleNamespace:
+    """vLLM's own hashing, imported when a test first needs it: importing vLLM loads torch
+    (seconds), which collecting this module should not cost every run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # importing vLLM (torch) warns about their deprecations
+        from vllm.lora.request import LoRARequest
+        from vllm.utils import hashing
+        from vllm.v1.core import kv_cache_utils
+    return SimpleNamespace(LoRARequest=LoRARequest, hashing=hashing, kv_cache_utils=kv_cache_utils)
+
 
 ALGOS: tuple[HashAlgo, ...] = ("sha256", "sha256_cbor")  # xxhash is not installed here
 TOKEN = st.one_of(
@@ -53,8 +61,8 @@ def vllm_hashes(
     with mock.patch.dict(os.environ, env, clear=False):
         if pythonhashseed is None:
             os.environ.pop("PYTHONHASHSEED", None)
-        function = hashing.get_hash_fn_by_name(algo)
-        kv_cache_utils.init_none_hash(function)
+        function = vllm().hashing.get_hash_fn_by_name(algo)
+        vllm().kv_cache_utils.init_none_hash(function)
     # name, path and salt reach vLLM's engine as objects of their own (decoded apart), even
     # when equal (pickle would write one met twice as a back-reference)
     path = None if lora is None else lora.path[:1] + lora.path[1:]
@@ -64,11 +72,13 @@ def vllm_hashes(
         num_tokens=len(ids),
         all_token_ids=ids,
         mm_features=[],
-        lora_request=None if lora is None else LoRARequest(lora.name, 1, path),
+        lora_request=None if lora is None else vllm().LoRARequest(lora.name, 1, path),
         cache_salt=salt,
         prompt_embeds=None,
     )
-    hashes: list[bytes] = kv_cache_utils.get_request_block_hasher(block_size, function)(request)
+    hashes: list[bytes] = vllm().kv_cache_utils.get_request_block_hasher(block_size, function)(
+        request
+    )
     return hashes
 
 
@@ -138,7 +148,9 @@ def test_engine_seed_follows_vllm(algo: HashAlgo, env: str | None) -> None:
     with mock.patch.dict(os.environ, {} if env is None else {"PYTHONHASHSEED": env}):
         if env is None:
             os.environ.pop("PYTHONHASHSEED", None)
-        theirs = kv_cache_utils.resolve_none_hash_seed(hashing.get_hash_fn_by_name(algo))
+        theirs = vllm().kv_cache_utils.resolve_none_hash_seed(
+            vllm().hashing.get_hash_fn_by_name(algo)
+        )
     assert engine_seed(algo, env) == theirs
     assert engine_seed(algo, env) == (env if env is not None else DEFAULT_SEED)
 
@@ -154,7 +166,7 @@ def test_xxhash_without_a_pinned_seed_is_refused(algo: HashAlgo) -> None:
 def test_none_hash_is_vllms() -> None:
     for algo in ALGOS:
         vllm_hashes([], 16, algo)
-        assert BlockHasher(16, algo).none_hash == kv_cache_utils.NONE_HASH
+        assert BlockHasher(16, algo).none_hash == vllm().kv_cache_utils.NONE_HASH
 
 
 @pytest.mark.parametrize("bad", [0, -16])
@@ -170,8 +182,8 @@ def test_unknown_algorithm() -> None:
 
 @given(st.lists(st.binary(min_size=32, max_size=32), max_size=20))
 def test_keys_are_what_events_carry(hashes: list[bytes]) -> None:
-    with mock.patch.object(kv_cache_utils.envs, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", True):
-        theirs = [kv_cache_utils.maybe_convert_block_hash(h) for h in hashes]
+    with mock.patch.object(vllm().kv_cache_utils.envs, "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", True):
+        theirs = [vllm().kv_cache_utils.maybe_convert_block_hash(h) for h in hashes]
     assert block_keys(hashes) == theirs
     assert [block_key(h) for h in hashes] == theirs
     assert [block_key(k) for k in theirs] == theirs
