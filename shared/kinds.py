@@ -25,10 +25,8 @@ from tokenline.shared.wire import (
     DerenderBatch,
     DerenderChatItem,
     DerenderChatRequest,
-    DerenderChatStreamResponse,
     DerenderCompletionItem,
     DerenderCompletionRequest,
-    DerenderCompletionStreamResponse,
     GenerateRequest,
     nth_prompt,
 )
@@ -123,7 +121,6 @@ class Kind:
     derender_request: type[DerenderChatRequest] | type[DerenderCompletionRequest]
     derender_item: type[DerenderChatItem] | type[DerenderCompletionItem]
     """A derender call as a batch carries it (its client request decoded when read)."""
-    stream_answer_type: type[DerenderChatStreamResponse] | type[DerenderCompletionStreamResponse]
     one_prompt: bool
     """A request has exactly one prompt (chat), else a list of them (completions): derender's
     whole-answer body names its fields in the singular or the plural."""
@@ -169,10 +166,6 @@ class Kind:
         batch = DerenderBatch[self.derender_item]  # type: ignore[name-defined]
         return msgspec.json.Decoder(batch)
 
-    @functools.cached_property
-    def stream_answer_json(self) -> msgspec.json.Decoder[Any]:
-        return msgspec.json.Decoder(self.stream_answer_type)
-
     @property
     def batch_path(self) -> str:
         return self.derender_path + "/batch"
@@ -196,7 +189,6 @@ CHAT = Kind(
     chunk_type=ChatCompletionChunk,
     derender_request=DerenderChatRequest,
     derender_item=DerenderChatItem,
-    stream_answer_type=DerenderChatStreamResponse,
     one_prompt=True,
     logprobs_include_sampled=False,
     prompt_stub={"messages": [{"role": "user", "content": ""}]},
@@ -216,7 +208,6 @@ COMPLETION = Kind(
     chunk_type=CompletionChunk,
     derender_request=DerenderCompletionRequest,
     derender_item=DerenderCompletionItem,
-    stream_answer_type=DerenderCompletionStreamResponse,
     one_prompt=False,
     logprobs_include_sampled=True,
     prompt_stub={"prompt": ""},

@@ -31,7 +31,6 @@ from tokenline.shared.wire import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatStreamChoice,
-    DerenderStreamState,
     GenerateChoiceHead,
     GenerateLogProbs,
     GenerateRequest,
@@ -39,7 +38,6 @@ from tokenline.shared.wire import (
     GenerateStreamChoice,
     GenerateStreamChunk,
     PromptLogprobs,
-    RawStreamAnswer,
     StateCounts,
     Usage,
 )
@@ -48,12 +46,12 @@ ReadChoice: TypeAlias = GenerateStreamChoice | GenerateChoiceHead
 """A generate chunk's choice as the proxy knows it: decoded whole, or as derender read the chunk
 the proxy passed on unread (`StreamFlow.passed_on`), only what the proxy needs of it."""
 StreamAnswer = Any
-"""`BatchItemAnswer` or `RawStreamAnswer`, read lazily (the client's chunk and the state stay
-JSON: the chunk goes out as derender wrote it, the state back as it came), or a decoded
-`DerenderChatStreamResponse` / `DerenderCompletionStreamResponse`. Reading lazily saves ~7 us of
-proxy CPU per token (~18%): in `.venv/bin/python -m research.hop --transports batched`, against
-the same code decoding each batch item's chunk and state, interleaved in one run (ABBA, 10
-blocks), 36.8 us per token lazily, +6.6 us decoded (paired difference, IQR +2.4..+9.2)."""
+"""`BatchItemAnswer` (the batched transport) or `RawStreamAnswer` (HTTP), read lazily: the
+client's chunk and the state stay JSON (the chunk goes out as derender wrote it, the state back
+as it came); derender's decoded answer types are never read here. Reading lazily saves ~7 us
+of proxy CPU per token (~18%): in `.venv/bin/python -m research.hop --transports batched`,
+against the same code decoding each batch item's chunk and state, interleaved in one run (ABBA,
+10 blocks), 36.8 us per token lazily, +6.6 us decoded (paired difference, IQR +2.4..+9.2)."""
 FINISHED = b'"finish_reason":"'
 """In a generate chunk passed on unread: a choice ends with it (vLLM writes `"finish_reason":null`
 in every other chunk). Its call goes at once (`StreamCall.urgent`): the client's next request
@@ -61,9 +59,9 @@ waits for this answer, and so does the engine's slot. A chunk written otherwise 
 hurry, never its answer."""
 
 
-def _state_counts(answer: StreamAnswer, raw: bool) -> StateCounts | DerenderStreamState:
+def _state_counts(answer: StreamAnswer) -> StateCounts:
     """What the proxy reads of an answer's state: its counts."""
-    return STATE_COUNTS.decode(answer.stream_state) if raw else answer.stream_state
+    return STATE_COUNTS.decode(answer.stream_state)
 
 
 # --------------------------------------------------------------------------- generate chunks
@@ -169,9 +167,8 @@ class StreamCall(msgspec.Struct, frozen=True, gc=False):
     """Shaped as the client sees it: the public id, the choice's index across prompts, no
     usage (the proxy counts it), so derender's chunk goes to the client as it is. Or generate's
     JSON as it came, which tokenline's derender shows so (`chunk_id`)."""
-    state: DerenderStreamState | msgspec.Raw | None
-    """The previous answer's state: decoded (binary transports) or its JSON, sent back as
-    it came."""
+    state: msgspec.Raw | None
+    """The previous answer's state, its JSON sent back as it came (None: the first call)."""
     prompt_token_ids: list[int]
     client_raw: bytes
     client: ClientRequest
@@ -254,7 +251,7 @@ def _opening_choice(index: int, delta: dict[str, Any]) -> dict[str, Any]:
 class ChoiceProgress:
     """Per choice: derender's state and whether the choice is over."""
 
-    state: DerenderStreamState | msgspec.Raw | None = None
+    state: msgspec.Raw | None = None
     completion_tokens: int = 0
     reasoning_tokens: int | None = None
     """derender's count, when a reasoning parser runs (None: no count)."""
@@ -374,7 +371,7 @@ class StreamFlow:
         self,
         p: int,
         chunk: GenerateStreamChunk | msgspec.Raw,
-        state: DerenderStreamState | msgspec.Raw | None,
+        state: msgspec.Raw | None,
         view: DerenderView,
         chunk_id: str | None = None,
         offset: int = 0,
@@ -426,11 +423,8 @@ class StreamFlow:
     ) -> Emission | None:
         prog.generated += choice.token_ids or ()
         prog.state = answer.stream_state
-        # the batched transport's answer first: isinstance's exact-type shortcut then takes it
-        # (a miss on the first class goes through msgspec's metaclass, ~130 ns a token)
-        raw = isinstance(answer, (BatchItemAnswer, RawStreamAnswer))
         counted = isinstance(answer, BatchItemAnswer) and answer.completion_tokens is not None
-        counts = answer if counted else _state_counts(answer, raw)
+        counts = answer if counted else _state_counts(answer)
         prog.unsent_tokens += counts.completion_tokens - prog.completion_tokens
         prog.completion_tokens = counts.completion_tokens
         prog.reasoning_tokens = counts.reasoning_tokens
@@ -441,17 +435,14 @@ class StreamFlow:
         if counted and self.model:  # the model is the same in every chunk of the stream
             shown = answer.shown
         else:
-            head = CHUNK_HEAD.decode(answer.chunk) if raw else answer.chunk
+            head = CHUNK_HEAD.decode(answer.chunk)
             self.model, shown = head.model, bool(head.choices)
         if not shown:
             return None
         out: ClientChunk | msgspec.Raw = answer.chunk
         if self.continuous_usage:
             usage = self.usage(p, prog.completion_tokens, [prog])
-            decoded = self.kind.chunk_json.decode(answer.chunk) if raw else answer.chunk
-            out = msgspec.structs.replace(decoded, usage=usage)
-        elif not raw:
-            out = msgspec.structs.replace(answer.chunk, id=self.rendered.public_id, usage=UNSET)
+            out = msgspec.structs.replace(self.kind.chunk_json.decode(answer.chunk), usage=usage)
         tokens, prog.unsent_tokens = prog.unsent_tokens, 0
         return Emission(out, tokens)
 
@@ -463,11 +454,10 @@ class StreamFlow:
         chunk without what they show. derender (tokenline's, and vLLM's scale-out one) puts the
         role and the prompt's IDs on a choice's first chunk; the echo the proxy never asks it
         for (the first call carries the prompt stub, whose last message echoes nothing)."""
-        raw = isinstance(answer, (BatchItemAnswer, RawStreamAnswer))
-        chunk: ChatCompletionChunk = CHAT_CHUNK.decode(answer.chunk) if raw else answer.chunk
+        chunk: ChatCompletionChunk = CHAT_CHUNK.decode(answer.chunk)
         choices = [c for c in map(_without_role, chunk.choices) if not c.shows_nothing()]
         chunk = msgspec.structs.replace(chunk, choices=choices, prompt_token_ids=UNSET)
-        bare = msgspec.Raw(JSON.encode(chunk)) if raw else chunk
+        bare = msgspec.Raw(JSON.encode(chunk))
         if isinstance(answer, BatchItemAnswer):  # which says whether its chunk shows a choice
             answer = msgspec.structs.replace(answer, chunk=bare, shown=bool(choices))
         else:

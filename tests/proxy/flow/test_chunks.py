@@ -33,6 +33,7 @@ from tokenline.shared.kinds import CHAT, COMPLETION, DERENDER_FIRST_READS, DEREN
 from tokenline.shared.limits import MAX_LOGPROBS
 from tokenline.shared.wire import (
     BATCH_ANSWER,
+    CHAT_CHUNK,
     CHAT_REQUEST,
     COMPLETION_REQUEST,
     JSON,
@@ -50,6 +51,7 @@ from tokenline.shared.wire import (
     GenerateStreamChoice,
     GenerateStreamChunk,
     PromptLogprob,
+    RawStreamAnswer,
     SamplingParams,
     StopMatch,
 )
@@ -170,14 +172,19 @@ def test_whole_body_per_kind() -> None:
     assert body["prompt_tokens"] == [3, 3] and len(body["generate_responses"]) == 2
 
 
-def answer(
-    tokens: int, text: str | None, stop: bool = False, index: int = 0
-) -> DerenderChatStreamResponse:
+def as_read(a: DerenderChatStreamResponse) -> RawStreamAnswer:
+    """derender's answer as the proxy reads it off the wire (lazily: chunk and state JSON)."""
+    return RAW_STREAM_ANSWER.decode(JSON.encode(a))
+
+
+def answer(tokens: int, text: str | None, stop: bool = False, index: int = 0) -> RawStreamAnswer:
     choices = [] if text is None else [ChatStreamChoice(index=index, delta=Delta(content=text))]
-    return DerenderChatStreamResponse(
-        chunk=ChatCompletionChunk(id="x", created=0, model="tiny", choices=choices),
-        stream_state=DerenderStreamState(completion_tokens=tokens),
-        stop_match=StopMatch(stop="s", completion_tokens=tokens) if stop else None,
+    return as_read(
+        DerenderChatStreamResponse(
+            chunk=ChatCompletionChunk(id="req", created=0, model="tiny", choices=choices),
+            stream_state=DerenderStreamState(completion_tokens=tokens),
+            stop_match=StopMatch(stop="s", completion_tokens=tokens) if stop else None,
+        )
     )
 
 
@@ -198,10 +205,9 @@ def test_choices_are_remapped_across_prompts_and_n() -> None:
     assert call.chunk.choices[0].index == 3  # prompt 1, choice 1, n = 2
     assert call.chunk.request_id == "req" and call.chunk.usage is None
     assert call.chunk.choices[0].token_ids == [7]
-    emission = flow.accept(1, c.choices[0], answer(1, "a", index=3))
-    assert emission is not None
-    assert emission.chunk.choices[0].index == 3
-    assert emission.chunk.id == "req" and emission.tokens == 1
+    shown = answer(1, "a", index=3)
+    emission = flow.accept(1, c.choices[0], shown)
+    assert emission is not None and emission.chunk == shown.chunk and emission.tokens == 1
     assert flow.emitted(1) and not flow.emitted(0)
 
 
@@ -211,7 +217,7 @@ def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
     flow = stream_flow(n=1, prompts=1)
     c = chunk(0, [7])
     flow.call(0, c)
-    raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(2, "ab")))
+    raw = answer(2, "ab")
     emission = flow.accept(0, c.choices[0], raw)
     assert emission is not None and emission.tokens == 2
     assert emission.chunk == raw.chunk  # not re-encoded
@@ -220,17 +226,14 @@ def test_a_raw_answer_goes_to_the_client_as_derender_wrote_it() -> None:
     assert again.fields(None, lean=True)["prompt_token_ids"] is None  # first call only
     assert again.fields(None)["prompt_token_ids"] == [1, 2, 3]  # vLLM's derender: always
     assert flow.progress[(0, 0)].completion_tokens == 2
-    assert (
-        flow.accept(0, c.choices[0], RAW_STREAM_ANSWER.decode(JSON.encode(answer(3, None)))) is None
-    )
+    assert flow.accept(0, c.choices[0], answer(3, None)) is None
 
 
-def counted(
-    a: DerenderChatStreamResponse, tokens: int | None, shown: bool = True
-) -> BatchItemAnswer:
+def counted(a: RawStreamAnswer, tokens: int | None, shown: bool = True) -> BatchItemAnswer:
     """`a` as an item of tokenline's batch answer reads, with `tokens` beside it."""
     extra = {} if tokens is None else {"completion_tokens": tokens, "shown": shown}
-    return BATCH_ANSWER.decode(b"[" + JSON.encode({**msgspec.structs.asdict(a), **extra}) + b"]")[0]
+    item = msgspec.json.decode(JSON.encode(a)) | extra
+    return BATCH_ANSWER.decode(b"[" + JSON.encode(item) + b"]")[0]
 
 
 def test_a_batch_answer_is_read_by_the_counts_beside_it() -> None:
@@ -267,7 +270,7 @@ def test_a_chunk_passed_on_carries_the_streams_id_and_index_for_derender_to_show
     first = flow.call(1, c)
     assert first is not None and first.chunk_id is None and first.state is None
     assert first.chunk.choices[0].index == 1
-    raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(1, "a", index=1)))
+    raw = answer(1, "a", index=1)
     assert flow.accept(1, c.choices[0], raw) is not None
     later = flow.passed_on(1, payload)
     assert later is not None and later.state == raw.stream_state
@@ -302,7 +305,7 @@ def test_a_choices_last_chunk_is_derendered_at_once() -> None:
     middle, last = chunk(0, [7]), chunk(0, [9], finish="length")
     assert not flow.call(0, middle).urgent
     assert flow.call(0, last).urgent
-    raw = RAW_STREAM_ANSWER.decode(JSON.encode(answer(1, "a")))
+    raw = answer(1, "a")
     flow.accept(0, middle.choices[0], raw)
     assert b'"finish_reason":null' in JSON.encode(middle)  # as vLLM writes it
     assert not flow.passed_on(0, JSON.encode(middle)).urgent
@@ -349,7 +352,7 @@ def test_usage_final_and_continuous() -> None:
         c = chunk(0, [7], finish="stop")
         flow.call(p, c)
         emission = flow.accept(p, c.choices[0], answer(2, "x"))
-        assert emission is not None and emission.chunk.usage is msgspec.UNSET  # left out
+        assert emission is not None and b'"usage"' not in bytes(emission.chunk)  # left out
     final = flow.final_chunk()
     assert final is not None and final["object"] == "chat.completion.chunk"
     usage = final["usage"]
@@ -478,15 +481,17 @@ def test_a_chat_first_call_carries_no_prompt() -> None:
         assert flow.view.request.messages[0].content == ""  # the stub
 
 
-def first_answer(text: str | None, index: int = 0, **choice: object) -> DerenderChatStreamResponse:
+def first_answer(text: str | None, index: int = 0, **choice: object) -> RawStreamAnswer:
     """derender's answer to a choice's first call: the role, and the prompt's IDs when asked."""
     delta = Delta(role="assistant", content=text)
     choices = [ChatStreamChoice(index=index, delta=delta, **choice)]  # type: ignore[arg-type]
-    return DerenderChatStreamResponse(
-        chunk=ChatCompletionChunk(
-            id="x", created=7, model="tiny", choices=choices, prompt_token_ids=[1, 2, 3]
-        ),
-        stream_state=DerenderStreamState(completion_tokens=1, role_sent=True),
+    return as_read(
+        DerenderChatStreamResponse(
+            chunk=ChatCompletionChunk(
+                id="r1", created=7, model="tiny", choices=choices, prompt_token_ids=[1, 2, 3]
+            ),
+            stream_state=DerenderStreamState(completion_tokens=1, role_sent=True),
+        )
     )
 
 
@@ -537,8 +542,8 @@ def test_a_chat_stream_opens_as_vllm_s_with_a_role_chunk_per_choice_then_the_ech
         }
         for i in (0, 1)
     ]
-    shown = emission.chunk
-    assert shown is not None and shown.choices[0].delta == Delta(content="a")
+    shown = emission.chunk  # with usage on every chunk: derender's chunk, decoded to add it
+    assert isinstance(shown, ChatCompletionChunk) and shown.choices[0].delta == Delta(content="a")
     assert shown.prompt_token_ids is msgspec.UNSET
     assert emission.chunks() == [*emission.opening, shown]
     # choice 0's first answer: its role taken off, and no opening again
@@ -546,7 +551,8 @@ def test_a_chat_stream_opens_as_vllm_s_with_a_role_chunk_per_choice_then_the_ech
     flow.call(0, c)
     again = flow.accept(0, c.choices[0], first_answer("b"))
     assert again is not None and again.opening is None
-    assert again.chunk is not None and again.chunk.choices[0].delta == Delta(content="b")
+    assert isinstance(again.chunk, ChatCompletionChunk)
+    assert again.chunk.choices[0].delta == Delta(content="b")
 
 
 def test_the_opening_follows_the_request() -> None:
@@ -560,7 +566,8 @@ def test_the_opening_follows_the_request() -> None:
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["prompt_token_ids"] is None and "usage" not in role
     # a held-back token's chunk still shows its empty content, as vLLM's does
-    assert emission.chunk is not None and emission.chunk.choices[0].delta == Delta(content="")
+    assert emission.chunk is not None
+    assert CHAT_CHUNK.decode(emission.chunk).choices[0].delta == Delta(content="")
 
 
 def test_a_first_chunk_a_parser_shows_nothing_of_is_not_streamed() -> None:
