@@ -145,8 +145,7 @@ def generate_pool(
     """A generate pool, routed by `config.routing` (cache-aware: `PrefixRouting`)."""
     pool = Pool(role, urls, dict(headers), policy=config.routing)
     if config.routing == "cache-aware":
-        offset = config.kv_events_offset
-        events = EventPorts(offset) if offset is not None else None
+        events = EventPorts.of(config.kv_events_offset, config.kv_events_ipc)
         pool.routing = PrefixRouting(role, events, config.prefix_hash_seed)
     return pool
 
