@@ -209,8 +209,8 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "derender": "--model --served-model-name --max-model-len --host --port --cpu-policy "
     "--workers --threads "
     "--enable-auto-tool-choice --tool-call-parser --reasoning-parser",
-    "proxy": "--render --derender --prefill --decode --models-file --store --host --port --cpu-policy "
-    "--generate-tokens-only "
+    "proxy": "--render --derender --prefill --decode --models-file --store --host --port "
+    "--cpu-policy --generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
     "--routing --kv-events-offset --kv-events-ipc --prefix-hash-seed --skip-prefill-within "
