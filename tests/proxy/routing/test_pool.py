@@ -113,3 +113,17 @@ def test_the_breaker_opens_on_faults_and_probes_before_closing() -> None:
     certain = Breaker()
     certain.fault(certain=True)
     assert certain.state == "open"
+
+
+def test_a_lease_weighs_its_uncached_tokens_until_the_prompt_is_computed() -> None:
+    pool = Pool("decode", ("a",))
+    (worker,) = pool.workers
+    with pool.lease(worker, 300) as lease:
+        assert (worker.in_flight, worker.uncached) == (1, 300)
+        lease.prefilled()  # the first token is out: a running stream from now
+        lease.prefilled()  # every later chunk says so again: counted once
+        assert (worker.in_flight, worker.uncached) == (1, 0)
+    assert (worker.in_flight, worker.uncached) == (0, 0)
+    with pytest.raises(RuntimeError), pool.lease(worker, 200):  # failed before any token
+        raise RuntimeError
+    assert (worker.in_flight, worker.uncached) == (0, 0)
