@@ -1,7 +1,8 @@
 """The load of `tokenline bench routing`: seeded sessions of growing chat requests (a
-conversation's turns, an agent's steps, one-shot requests behind one prefix) and a driver that
-sends them as clients would: each request after the last one's answer and a pause, the answer
-appended to the next one's history, a bounded number in flight.
+conversation's turns, an agent's steps, one-shot requests behind one prefix, conversations on
+LoRA adapters) and a driver that sends them as clients would: each request after the last
+one's answer and a pause, the answer appended to the next one's history, a bounded number in
+flight.
 
 Answers are the model's own (greedy, a fixed length), so a request's history holds the tokens
 the engine that served the turn before may still cache.
