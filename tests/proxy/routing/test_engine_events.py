@@ -17,7 +17,7 @@ import zmq
 from tokenline.launch import servers
 from tokenline.launch.bench.http import post
 from tokenline.launch.process import Process
-from tokenline.launch.up import UpConfig, plan
+from tokenline.launch.up import Served, UpConfig, plan
 from tokenline.proxy import config as proxy_config
 from tokenline.proxy.routing.blocks import BlockIndex
 from tokenline.proxy.routing.cache_aware import EventPorts
@@ -53,7 +53,7 @@ def engine(
     starts_vllm: None, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     sockets = tmp_path_factory.mktemp("kv")
-    backends, proxy = plan(UpConfig(no_pd=True), tiny_model, "tiny", sockets)
+    backends, proxy = plan(UpConfig(no_pd=True), [Served(tiny_model, "tiny")], sockets)
     (process,) = (p for p in backends if p.name.startswith("generate"))
     assert process.env is not None
     process.env = {**process.env, "PYTHONHASHSEED": SEED}
