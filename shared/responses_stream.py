@@ -188,28 +188,22 @@ class ResponseEvents:
         ]
 
     def _reasoning(self, delta: str) -> list[Event]:
-        assert self.current is not None
-        self.current.text += delta
-        return [
-            self._event(
-                "response.reasoning_text.delta",
-                content_index=0,
-                delta=delta,
-                item_id=self.current.id,
-                output_index=len(self.output),
-            )
-        ]
+        return self._delta("response.reasoning_text.delta", delta)
 
     def _content(self, delta: str) -> list[Event]:
+        return self._delta("response.output_text.delta", delta, logprobs=[])
+
+    def _delta(self, kind: str, delta: str, **extra: Any) -> list[Event]:
+        """The current item's text grows by `delta`: its delta event."""
         assert self.current is not None
         self.current.text += delta
         return [
             self._event(
-                "response.output_text.delta",
+                kind,
                 content_index=0,
                 delta=delta,
                 item_id=self.current.id,
-                logprobs=[],
+                **extra,
                 output_index=len(self.output),
             )
         ]

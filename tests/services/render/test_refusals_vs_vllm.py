@@ -43,6 +43,25 @@ def ids(value: Any, **more: Any) -> dict[str, Any]:
 
 # (vLLM's rule, the case, vLLM's status, the param tokenline names, a word its message holds)
 Case = tuple[str, dict[str, Any], int, str | None, str | None]
+MEDIA: list[Case] = [
+    (
+        "generate/base/protocol.py:82",
+        {"mm_processor_kwargs": {"a": 1}},
+        400,
+        "mm_processor_kwargs",
+        None,
+    ),
+    ("generate/base/protocol.py:82", {"mm_processor_kwargs": {}}, 200, None, None),
+    (
+        "generate/base/protocol.py:90",
+        {"media_io_kwargs": {"image": {}}},
+        400,
+        "media_io_kwargs",
+        None,
+    ),
+    ("generate/base/protocol.py:90", {"media_io_kwargs": {}}, 200, None, None),
+]
+"""Chat and completion requests alike."""
 CHAT: list[Case] = [
     # vllm/renderers/params.py:48 merge_kwargs: None and "auto" are unset, whatever the key
     ("params.py:48", kw(chat_template=None, tools="auto", enable_thinking=None), 200, None, None),
@@ -93,22 +112,7 @@ CHAT: list[Case] = [
     ("hf.py:780", kw(tokenize=True, tokenizer_kwargs=5), 400, KW, "tokenizer_kwargs"),
     # vllm/entrypoints/generate/base/protocol.py:82/90: media kwargs need a trusted server;
     # empty ones ask for nothing
-    (
-        "generate/base/protocol.py:82",
-        {"mm_processor_kwargs": {"a": 1}},
-        400,
-        "mm_processor_kwargs",
-        None,
-    ),
-    ("generate/base/protocol.py:82", {"mm_processor_kwargs": {}}, 200, None, None),
-    (
-        "generate/base/protocol.py:90",
-        {"media_io_kwargs": {"image": {}}},
-        400,
-        "media_io_kwargs",
-        None,
-    ),
-    ("generate/base/protocol.py:90", {"media_io_kwargs": {}}, 200, None, None),
+    *MEDIA,
     # online_renderer.py:793 and 125-149: forwarded prompt IDs replace the templated prompt
     # (no truncation, no templating: the kwargs are not rendered), checked; ignored with echo
     # or content other than text
@@ -151,21 +155,7 @@ THINKING: list[Case] = [
 COMPLETION: list[Case] = [
     # generate/base/protocol.py:82/90 via online_renderer.py:725 (preprocess_cmpl): vLLM reads
     # the media kwargs off a completion request too, though its model does not declare them
-    (
-        "generate/base/protocol.py:82",
-        {"mm_processor_kwargs": {"a": 1}},
-        400,
-        "mm_processor_kwargs",
-        None,
-    ),
-    ("generate/base/protocol.py:82", {"mm_processor_kwargs": {}}, 200, None, None),
-    (
-        "generate/base/protocol.py:90",
-        {"media_io_kwargs": {"image": {}}},
-        400,
-        "media_io_kwargs",
-        None,
-    ),
+    *MEDIA,
     # completion/protocol.py:377: echo with max_tokens 0 samples one token it does not show;
     # sampling_params.py:690: otherwise 0 is refused
     ("completion/protocol.py:377", {"echo": True, "max_tokens": 0}, 200, None, None),
