@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from tokenline.shared.wire import MinP, Penalty, RepetitionPenalty, Temperature, TopP
+
 
 class Strict(Struct, kw_only=True, forbid_unknown_fields=True):
     """A request body: unknown fields refused by name."""
@@ -75,13 +77,13 @@ class ResponsesRequest(Strict, kw_only=True):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = None
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     store: bool | None = True

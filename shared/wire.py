@@ -108,6 +108,12 @@ class StreamOptions(Wire, kw_only=True):
 
 
 Stop = str | list[str] | None
+# Sampling bounds every API that samples checks the same way (vLLM's OpenAI models').
+Temperature = Annotated[float, Meta(ge=0)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+MinP = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Meta(gt=0)]
 
 
 class SamplingFields(Wire, kw_only=True):
@@ -120,13 +126,13 @@ class SamplingFields(Wire, kw_only=True):
     model: str | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = None
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    min_p: MinP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: int | None = None
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
