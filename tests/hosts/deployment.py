@@ -126,11 +126,19 @@ def without_parsers(argv: list[str]) -> list[str]:
     return out
 
 
+NOT_REHEARSED = {"postgres"}
+"""The proxies' response store: not on the serving path the rehearsal exercises (a proxy starts
+and serves chat and completions without it; `/v1/responses` answers 503 while it is
+unreachable). PostgreSQL itself is tested in tests/proxy/store."""
+
+
 def services(model: str, served: str, variables: Mapping[str, str] = {}) -> dict[str, ServiceSpec]:
     """Every compose service as it runs on a rehearsal host."""
     found = {}
     wanted = {"TOKENLINE_MODEL": model, "TOKENLINE_SERVED_MODEL_NAME": served, **variables}
     for name, spec in load(wanted).items():
+        if name in NOT_REHEARSED:
+            continue
         argv, env = without_parsers(_command(spec)), _environment(spec)
         if str(spec.get("image", "")).startswith("vllm/"):
             if argv[:2] == ["vllm", "serve"]:
