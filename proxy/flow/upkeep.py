@@ -19,6 +19,7 @@ import msgspec
 from tokenline.proxy.client.http import Client, HttpClientError
 from tokenline.proxy.flow.models import MODEL_LIST, ModelCard, Models, ServedPools
 from tokenline.proxy.routing.pool import Pool, Worker
+from tokenline.shared.background import running
 
 log = logging.getLogger(__name__)
 LIST_TIMEOUT = 3.0  # seconds an engine's /v1/models may take
@@ -118,10 +119,5 @@ async def upkeep(models: Models, client: Client, interval: float) -> None:
 
 @contextlib.asynccontextmanager
 async def upkept(models: Models, client: Client, interval: float) -> AsyncIterator[None]:
-    task = asyncio.create_task(upkeep(models, client, interval))
-    try:
+    async with running(upkeep(models, client, interval)):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

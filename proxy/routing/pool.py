@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tokenline.proxy.client.http import Client, HttpClientError
 from tokenline.proxy.routing.cache_aware import Pick, Policy, PrefixRouting, Prompt
+from tokenline.shared.background import running
 from tokenline.shared.errors import UpstreamUnavailable
 
 if TYPE_CHECKING:
@@ -334,10 +335,5 @@ async def maintain(
 async def maintained(
     pools: Pools, client: Client, health_interval: float, resolve_interval: float
 ) -> AsyncIterator[None]:
-    task = asyncio.create_task(maintain(pools, client, health_interval, resolve_interval))
-    try:
+    async with running(maintain(pools, client, health_interval, resolve_interval)):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
