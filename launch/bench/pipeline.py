@@ -64,7 +64,7 @@ __all__ = [
 Group = Callable[[], AbstractContextManager[list[lineup.Running]]]
 GIB = 1 << 30
 ENGINE_GIB = 2.0  # a tiny-model vLLM with its 1 GiB KV cache, rounded up
-HEADROOM_GIB = 4.0  # what the machine keeps free for everyone else (build/helpers.md)
+HEADROOM_GIB = 4.0  # what the machine keeps free for everything else running on it
 
 
 @dataclass(frozen=True)
