@@ -190,6 +190,28 @@ class ResponseEvents:
     def _reasoning(self, delta: str) -> list[Event]:
         return self._delta("response.reasoning_text.delta", delta)
 
+    def _text_done(
+        self, current: _Open, kind: str, part: Any, index: int, **extra: Any
+    ) -> list[Event]:
+        """The closing item `current`'s text is whole: its done event, then its part's."""
+        return [
+            self._event(
+                kind,
+                content_index=0,
+                item_id=current.id,
+                **extra,
+                output_index=index,
+                text=current.text,
+            ),
+            self._event(
+                "response.content_part.done",
+                content_index=0,
+                item_id=current.id,
+                output_index=index,
+                part=_builtins(part),
+            ),
+        ]
+
     def _content(self, delta: str) -> list[Event]:
         return self._delta("response.output_text.delta", delta, logprobs=[])
 
@@ -246,42 +268,11 @@ class ResponseEvents:
         elif current.kind == REASONING:
             text = ReasoningText(text=current.text)
             item = OutputReasoning(id=current.id, content=[text], status="completed")
-            events = [
-                self._event(
-                    "response.reasoning_text.done",
-                    content_index=0,
-                    item_id=current.id,
-                    output_index=index,
-                    text=current.text,
-                ),
-                self._event(
-                    "response.content_part.done",
-                    content_index=0,
-                    item_id=current.id,
-                    output_index=index,
-                    part=_builtins(text),
-                ),
-            ]
+            events = self._text_done(current, "response.reasoning_text.done", text, index)
         else:
             part = OutputText(text=current.text)
             item = OutputMessage(id=current.id, content=[part] if current.text else [])
-            events = [
-                self._event(
-                    "response.output_text.done",
-                    content_index=0,
-                    item_id=current.id,
-                    logprobs=[],
-                    output_index=index,
-                    text=current.text,
-                ),
-                self._event(
-                    "response.content_part.done",
-                    content_index=0,
-                    item_id=current.id,
-                    output_index=index,
-                    part=_builtins(part),
-                ),
-            ]
+            events = self._text_done(current, "response.output_text.done", part, index, logprobs=[])
         self.output.append(item)
         events.append(
             self._event("response.output_item.done", output_index=index, item=_builtins(item))

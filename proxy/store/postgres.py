@@ -13,11 +13,11 @@ import logging
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from tokenline.proxy.store import schema
 from tokenline.proxy.store.base import StoredResponse, StoreUnavailable
-from tokenline.proxy.store.schema import MIGRATIONS, VERSION_TABLE
+from tokenline.proxy.store.schema import COLUMNS, MIGRATIONS, VERSION_TABLE
 
 log = logging.getLogger(__name__)
-COLUMNS = "id, key_hash, created_at, status, response, input_items"
 TIMEOUT_S = 3.0
 MIGRATION_LOCK = 0x746F6B6C  # pg_advisory_xact_lock's key: proxies starting together migrate once
 
@@ -67,14 +67,7 @@ class PostgresStore:
             "ON CONFLICT (key_hash, id) DO UPDATE SET status = EXCLUDED.status, "
             "response = EXCLUDED.response, input_items = EXCLUDED.input_items"
         )
-        row = (
-            record.id,
-            record.key_hash,
-            record.created_at,
-            record.status,
-            record.response.decode(),
-            record.input_items.decode(),
-        )
+        row = schema.row(record)
         try:
             async with self._pool.connection() as conn:
                 await conn.execute(sql, row)
@@ -92,8 +85,7 @@ class PostgresStore:
             raise self._failed(exc) from exc
         if row is None:
             return None
-        rid, key, created, status, response, items = row
-        return StoredResponse(rid, key, created, status, response.encode(), items.encode())
+        return schema.record(row)
 
     async def delete(self, owner: str, response_id: str) -> bool:
         await self._ready()

@@ -7,6 +7,8 @@ proxies starting together migrate once. Migrations are only ever appended.
 
 from __future__ import annotations
 
+from tokenline.proxy.store.base import StoredResponse
+
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (
         """CREATE TABLE responses (
@@ -28,3 +30,16 @@ needs this one row: its `input_items`, then its response's `output`, then the ne
 
 VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"
 LATEST = len(MIGRATIONS)
+COLUMNS = "id, key_hash, created_at, status, response, input_items"
+"""A row's columns, in `row` and `record`'s order."""
+Row = tuple[str, str, int, str, str, str]
+
+
+def row(r: StoredResponse) -> Row:
+    """`r` as the database holds it (JSON as text)."""
+    return (r.id, r.key_hash, r.created_at, r.status, r.response.decode(), r.input_items.decode())
+
+
+def record(columns: Row) -> StoredResponse:
+    rid, owner, created, status, response, items = columns
+    return StoredResponse(rid, owner, created, status, response.encode(), items.encode())

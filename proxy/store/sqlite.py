@@ -15,11 +15,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from tokenline.proxy.store import schema
 from tokenline.proxy.store.base import StoredResponse, StoreUnavailable
-from tokenline.proxy.store.schema import MIGRATIONS, VERSION_TABLE
+from tokenline.proxy.store.schema import COLUMNS, MIGRATIONS, VERSION_TABLE
 
 T = TypeVar("T")
-COLUMNS = "id, key_hash, created_at, status, response, input_items"
 BUSY_TIMEOUT_S = 5.0
 
 
@@ -74,7 +74,7 @@ class SqliteStore:
         def put(db: sqlite3.Connection) -> None:
             db.execute(
                 f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                _row(record),
+                schema.row(record),
             )
 
         await self._run(put)
@@ -85,7 +85,7 @@ class SqliteStore:
                 f"SELECT {COLUMNS} FROM responses WHERE key_hash = ? AND id = ?",
                 (owner, response_id),
             ).fetchone()
-            return None if row is None else _record(row)
+            return None if row is None else schema.record(row)
 
         return await self._run(get)
 
@@ -115,19 +115,3 @@ def _migrate(db: sqlite3.Connection) -> None:
     except BaseException:
         db.execute("ROLLBACK")
         raise
-
-
-def _row(r: StoredResponse) -> tuple[str, str, int, str, str, str]:
-    return (
-        r.id,
-        r.key_hash,
-        r.created_at,
-        r.status,
-        r.response.decode(),
-        r.input_items.decode(),
-    )
-
-
-def _record(row: tuple[str, str, int, str, str, str]) -> StoredResponse:
-    rid, owner, created, status, response, items = row
-    return StoredResponse(rid, owner, created, status, response.encode(), items.encode())
