@@ -25,6 +25,7 @@ from aiohttp import web
 from tokenline.proxy.api.completions import HOPS, MODELS
 from tokenline.proxy.flow.models import ServedPools
 from tokenline.proxy.flow.upkeep import generate_workers, post_adapter
+from tokenline.proxy.routing.pool import Pool, Worker
 from tokenline.shared.errors import (
     BadRequest,
     Forbidden,
@@ -67,8 +68,9 @@ async def load_adapter(request: web.Request) -> web.Response:
     if not asked.lora_name or not asked.lora_path:
         raise BadRequest("Both 'lora_name' and 'lora_path' must be provided.")
     served = _base_of(request, asked)
-    body = JSON.encode(msgspec.structs.replace(asked, base_model_name=None))
-    body = JSON.encode({k: v for k, v in msgspec.json.decode(body).items() if v is not None})
+    fields = msgspec.structs.asdict(asked)
+    del fields["base_model_name"]  # the proxy's own: the engines never see it
+    body = JSON.encode(fields)
     answers = await _everywhere(request, served, LOAD, body)
     failed = [a for a in answers if a[2] != 200]
     if failed:
@@ -120,7 +122,7 @@ def _base_of(request: web.Request, asked: LoadAdapter) -> ServedPools:
     return models.served[0]
 
 
-Answer = tuple[object, object, int, bytes]
+Answer = tuple[Pool, Worker, int, bytes]
 
 
 async def _everywhere(
@@ -134,10 +136,10 @@ async def _everywhere(
     return [(p, w, status, text) for (p, w), (status, text) in zip(workers, answers, strict=True)]
 
 
-async def _undo(request: web.Request, done: list[tuple[object, object]], name: str) -> None:
+async def _undo(request: web.Request, done: list[tuple[Pool, Worker]], name: str) -> None:
     client = request.app[HOPS].client
     body = JSON.encode({"lora_name": name})
-    await asyncio.gather(*(post_adapter(client, p, w, UNLOAD, body) for p, w in done))  # type: ignore[arg-type]
+    await asyncio.gather(*(post_adapter(client, p, w, UNLOAD, body) for p, w in done))
 
 
 def _failure(failed: list[Answer]) -> ServiceError:
