@@ -131,6 +131,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     relative to the working directory, made on first use) for one proxy, or a PostgreSQL URL
     (postgresql://user:password@host/db, from TOKENLINE_STORE: not `ps`-visible) that the
     proxies of one deployment share. The schema migrates itself."""
+    store_ttl: NonNegative = 30 * 24 * 3600
+    """Seconds a stored response is kept after its creation (30 days, as OpenAI keeps them);
+    an expired one is not found, and is purged. 0: kept until deleted."""
 
 
 def _url(text: str) -> str:
@@ -174,6 +177,7 @@ CLI = CommandLine(
         "port": Option(env="TOKENLINE_PORT"),
         "models_file": Option(env="TOKENLINE_MODELS_FILE"),
         "store": Option(env="TOKENLINE_STORE"),
+        "store_ttl": Option(env="TOKENLINE_STORE_TTL"),
         "open": Option(env="TOKENLINE_OPEN"),
         "api_key": _key_file("api_key", "the key clients must send"),
         "generate_api_key": _key_file("generate_api_key", "the key generate replicas require"),

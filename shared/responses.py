@@ -90,7 +90,8 @@ class ResponsesRequest(Strict, kw_only=True):
     """Stored (retrievable, continuable) unless false; vLLM's default."""
     stream: bool | None = False
     background: bool | None = False
-    """Only false: tokenline answers while the client waits."""
+    """True: answered at once (status `queued`), run by the proxy, then read with GET; needs
+    `store`, and is never streamed."""
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"

@@ -152,8 +152,14 @@ def _message(item: InputItem, last: dict[str, Any] | None) -> dict[str, Any] | N
 
 def check_request(request: ResponsesRequest) -> None:
     """What tokenline refuses of a request that decoded (each a 400 naming the field)."""
-    if request.background:
-        raise BadRequest("background responses are not supported", param="background")
+    if request.background and request.store is False:
+        raise BadRequest("background can only be used when `store` is true", param="background")
+    if request.background and request.stream:
+        raise BadRequest(
+            "`stream` with `background` is not served: a background response's events are "
+            "not kept for replay; poll GET /v1/responses/{id} instead",
+            param="stream",
+        )
     if request.include:
         raise BadRequest(f"include {request.include} is not served", param="include")
     if request.truncation == "auto":
@@ -297,6 +303,7 @@ def response_of(
         tool_choice=request.tool_choice,
         tools=request.tools,
         top_p=request.top_p,
+        background=bool(request.background),
         max_output_tokens=request.max_output_tokens,
         max_tool_calls=request.max_tool_calls,
         previous_response_id=request.previous_response_id,
@@ -311,6 +318,18 @@ def response_of(
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
     )
+
+
+def restated(response: bytes, status: str, error: dict[str, Any] | None = None) -> bytes:
+    """A stored Response (JSON) with another status (a background one cancelled or failed),
+    and for a failure OpenAI's `error` object (`code`, `message`) after `created_at`."""
+    old: dict[str, Any] = msgspec.json.decode(response)
+    new: dict[str, Any] = {}
+    for key, value in old.items():
+        new[key] = status if key == "status" else value
+        if key == "created_at" and error is not None:
+            new["error"] = error
+    return msgspec.json.encode(new)
 
 
 def status_of(finish_reason: str | None) -> str:

@@ -10,13 +10,21 @@ Storing (`store`, true unless the client says false, as in vLLM) happens before 
 told the response is done: a whole answer is saved before it is sent, a stream's
 `response.completed` goes out only after the save. A save that fails is the client's 503 (in a
 stream: an `error` event instead of `response.completed`), never a silent loss. Records belong to
-the hash of the request's API key: another key's id is a 404, as if it did not exist.
+the hash of the request's API key: another key's id is a 404, as if it did not exist; so is an
+expired one (`--store-ttl`).
+
+`background: true` answers at once with the `queued` Response, as vLLM does, and the proxy runs
+the request as a task it owns (`proxy/store/runs.py`: heartbeats, cancels from any proxy sharing
+the store, failure on shutdown), writing the final Response unless the row was cancelled
+meanwhile. Cancelling the task closes the generate connection: the engine aborts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -29,6 +37,9 @@ from tokenline.proxy.api.completions import (
     answer_whole,
 )
 from tokenline.proxy.store import Store, StoredResponse, key_hash, open_store
+from tokenline.proxy.store.base import RUNNING
+from tokenline.proxy.store.runs import GONE, Runs, failed
+from tokenline.shared.background import running
 from tokenline.shared.errors import BadRequest, NotFound, ServiceError
 from tokenline.shared.http import json_response, read_json_body
 from tokenline.shared.kinds import CHAT
@@ -47,26 +58,32 @@ from tokenline.shared.responses_chat import (
     input_items,
     new_id,
     output_as_input,
+    response_of,
+    restated,
     whole_response,
 )
 from tokenline.shared.responses_stream import Event, ResponseEvents
 
 log = logging.getLogger(__name__)
 STORE = web.AppKey("response_store", Store)
+RUNS = web.AppKey("response_runs", Runs)
 
 
-def add_responses_routes(app: web.Application, store_url: str) -> None:
-    """The routes, and the store they share (opened with the app, closed after it)."""
+def add_responses_routes(app: web.Application, store_url: str, ttl_s: int | None) -> None:
+    """The routes, the store they share (opened with the app, closed after it) and the
+    background responses this proxy runs (`ttl_s`: how long records are kept; None: always)."""
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = open_store(store_url)
-        app[STORE] = store
+        app[STORE], app[RUNS] = store, Runs(store, ttl_s)
         if not store.url.startswith("sqlite:"):  # a SQLite file is made on first use only
             try:
                 await store.open()
             except ServiceError as exc:  # retried by every request that needs it
                 log.warning("store.unavailable %s", exc.message)
-        yield
+        async with running(app[RUNS].upkeep()):
+            yield
+            await app[RUNS].close()  # before the hops' sessions close: the engines abort
         await store.close()
 
     app.cleanup_ctx.append(store_ctx)
@@ -89,12 +106,14 @@ async def _stored(request: web.Request, response_id: str, param: str) -> StoredR
     found = await request.app[STORE].get(owner_of(request), response_id)
     if found is None:
         raise NotFound(f"Response with id '{response_id}' not found.", param=param)
-    return found
+    return request.app[RUNS].seen(found)
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    """A stored response. vLLM's `stream` and `starting_after` replay a background response's
-    events; tokenline has none (`background` is refused), so they are 400s naming them."""
+    """A stored response (a background one: as it stands). vLLM's `stream` and
+    `starting_after` replay a streamed background response's events; tokenline streams no
+    background response (`stream` with `background` is refused), so they are 400s naming
+    them."""
     for name in ("stream", "starting_after"):
         if request.query.get(name, "false").lower() not in ("false", "0", ""):
             raise BadRequest(
@@ -105,16 +124,24 @@ async def retrieve(request: web.Request) -> web.Response:
 
 
 async def delete(request: web.Request) -> web.Response:
-    rid = request.match_info["response_id"]
-    if not await request.app[STORE].delete(owner_of(request), rid):
+    rid, owner = request.match_info["response_id"], owner_of(request)
+    if not await request.app[STORE].delete(owner, rid):
         raise NotFound(f"Response with id '{rid}' not found.", param="response_id")
+    await request.app[RUNS].stop((owner, rid))  # a running one's runner elsewhere: next beat
     return json_response(DeletedResponse(id=rid))
 
 
 async def cancel(request: web.Request) -> web.Response:
-    """vLLM cancels background responses only; tokenline has none (`background` is refused),
-    so a stored response is always finished: vLLM's 400 for a synchronous one."""
-    await _stored(request, request.match_info["response_id"], "response_id")
+    """A running background response becomes `cancelled` (answered as it now stands) and its
+    task stops: here at once, on another proxy at its next heartbeat. Anything else (finished,
+    failed, cancelled already) is vLLM's 400."""
+    rid, owner = request.match_info["response_id"], owner_of(request)
+    stored = await _stored(request, rid, "response_id")
+    if stored.status in RUNNING:
+        cancelled = restated(stored.response, "cancelled")
+        if await request.app[STORE].cancel(owner, rid, cancelled):
+            await request.app[RUNS].stop((owner, rid))
+            return web.Response(body=cancelled, content_type="application/json")
     raise BadRequest("Cannot cancel a synchronous response.", param="response_id")
 
 
@@ -126,6 +153,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     raw = JSON.encode(body)
     client = CHAT.client_request.decode(raw)
     rid = new_id("resp")
+    if asked.background:
+        return await _start(request, asked, rid, client, raw, history + items)
     async with request.app[ADMISSION].slot(client.priority):
         if not asked.stream:
             chat = msgspec.to_builtins(await answer_whole(request, CHAT, client, raw))
@@ -144,6 +173,43 @@ async def create(request: web.Request) -> web.StreamResponse:
         return await out.serve(run())
 
 
+async def _start(
+    request: web.Request,
+    asked: ResponsesRequest,
+    rid: str,
+    client: Any,
+    raw: bytes,
+    items: list[InputItem],
+) -> web.Response:
+    """Write the `queued` row, start its task, and answer with it (vLLM's answer)."""
+    queued = _record(request, response_of(asked, rid, asked.model or "", [], "queued", None), items)
+    await request.app[RUNS].start(queued, _run(request, asked, queued, client, raw))
+    return web.Response(body=queued.response, content_type="application/json")
+
+
+async def _run(
+    request: web.Request, asked: ResponsesRequest, queued: StoredResponse, client: Any, raw: bytes
+) -> None:
+    """A background response's task: the answer, or why not, written over its queued row."""
+    runs = request.app[RUNS]
+    try:
+        async with request.app[ADMISSION].slot(client.priority):
+            chat = msgspec.to_builtins(await answer_whole(request, CHAT, client, raw))
+    except asyncio.CancelledError:
+        await runs.finish(failed(queued, GONE))  # a no-op after a cancel: that row stays
+        raise
+    except ServiceError as exc:
+        await runs.finish(failed(queued, exc.message))
+        return
+    except Exception as exc:
+        log.exception("background.failed id=%s", queued.id)
+        await runs.finish(failed(queued, f"internal error: {exc!r}"))
+        return
+    response = whole_response(asked, queued.id, chat)
+    response = msgspec.structs.replace(response, created_at=queued.created_at)
+    await runs.finish(replace(queued, status=response.status, response=JSON.encode(response)))
+
+
 async def _history(request: web.Request, asked: ResponsesRequest) -> list[InputItem]:
     """A follow-up's conversation so far: the previous response's input items, then its
     output (none without `previous_response_id`)."""
@@ -160,15 +226,19 @@ async def _save(
 ) -> None:
     if asked.store is False:
         return
-    record = StoredResponse(
+    await request.app[STORE].put(_record(request, response, items))
+
+
+def _record(request: web.Request, response: Response, items: list[InputItem]) -> StoredResponse:
+    return StoredResponse(
         id=response.id,
         key_hash=owner_of(request),
         created_at=response.created_at,
         status=response.status,
         response=JSON.encode(response),
         input_items=JSON.encode(items),
+        expires_at=request.app[RUNS].expires(response.created_at),
     )
-    await request.app[STORE].put(record)
 
 
 def _sse(event: Event) -> bytes:

@@ -14,6 +14,10 @@ later try, may succeed), raised with a message naming the store. The one error h
 (`shared/errors.py`): the database is one more upstream. Never swallowed: a response that had
 to be saved and was not is this error, not a success."""
 
+RUNNING = ("queued", "in_progress")
+"""The statuses of a background response not yet finished: the only ones a cancel or the final
+write may change."""
+
 
 @dataclass(frozen=True)
 class StoredResponse:
@@ -28,6 +32,12 @@ class StoredResponse:
     """The Response object (JSON), as the client got it."""
     input_items: bytes
     """The conversation's input items up to and including this response's input (JSON array)."""
+    expires_at: int | None = None
+    """Epoch seconds from which the record is gone (None: kept until deleted)."""
+    runner: str | None = None
+    """The proxy running this background response (None: none runs it)."""
+    heartbeat_at: int | None = None
+    """When `runner` last said it still runs it (epoch seconds)."""
 
 
 def key_hash(api_key: str | None) -> str:
@@ -36,8 +46,9 @@ def key_hash(api_key: str | None) -> str:
 
 
 class Store(Protocol):
-    """Stored responses, per key: a record is found only with the key hash it was saved with.
-    Every method raises `StoreUnavailable` when the database fails."""
+    """Stored responses, per key: a record is found only with the key hash it was saved with,
+    and only before it expires. Every method raises `StoreUnavailable` when the database
+    fails."""
 
     url: str
 
@@ -55,6 +66,30 @@ class Store(Protocol):
 
     async def delete(self, owner: str, response_id: str) -> bool:
         """Whether there was such a record (now gone)."""
+        ...
+
+    async def finish(self, record: StoredResponse) -> bool:
+        """Write a background response's final state (its status, its response; no runner),
+        only if its row is still running (`RUNNING`): whether it was. A cancel that came
+        first stays."""
+        ...
+
+    async def cancel(self, owner: str, response_id: str, response: bytes) -> bool:
+        """Mark a running response cancelled (`response`: its Response saying so): whether it
+        was running. Its runner notices at its next `beat`."""
+        ...
+
+    async def beat(self, runner: str) -> set[tuple[str, str]]:
+        """Stamp the heartbeat of `runner`'s rows still running (and not expired): their owners
+        and ids. A task of `runner`'s not among them was cancelled, deleted or failed."""
+        ...
+
+    async def stale(self, before: int) -> list[StoredResponse]:
+        """Running rows whose last heartbeat is older than `before`: their runner is gone."""
+        ...
+
+    async def purge(self) -> int:
+        """Delete the expired records: how many."""
         ...
 
 

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from tokenline.proxy.store import schema
-from tokenline.proxy.store.base import StoredResponse, StoreUnavailable
-from tokenline.proxy.store.schema import COLUMNS, MIGRATIONS, VERSION_TABLE
+from tokenline.proxy.store.base import StoreUnavailable
+from tokenline.proxy.store.queries import SqlStore
+from tokenline.proxy.store.schema import MIGRATIONS, VERSION_TABLE
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 3.0
 MIGRATION_LOCK = 0x746F6B6C  # pg_advisory_xact_lock's key: proxies starting together migrate once
 
 
-class PostgresStore:
+class PostgresStore(SqlStore):
     def __init__(self, url: str) -> None:
         self.url = url
         self._pool = AsyncConnectionPool(
@@ -60,42 +61,23 @@ class PostgresStore:
                 raise self._failed(exc) from exc
             self._migrated = True
 
-    async def put(self, record: StoredResponse) -> None:
+    async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         await self._ready()
-        sql = (
-            f"INSERT INTO responses ({COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s) "
-            "ON CONFLICT (key_hash, id) DO UPDATE SET status = EXCLUDED.status, "
-            "response = EXCLUDED.response, input_items = EXCLUDED.input_items"
-        )
-        row = schema.row(record)
         try:
             async with self._pool.connection() as conn:
-                await conn.execute(sql, row)
+                cursor = await conn.execute(sql, params)
+                return await cursor.fetchall()
         except (psycopg.Error, PoolTimeout) as exc:
             raise self._failed(exc) from exc
 
-    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+    async def _count(self, sql: str, params: tuple[Any, ...]) -> int:
         await self._ready()
-        sql = f"SELECT {COLUMNS} FROM responses WHERE key_hash = %s AND id = %s"
         try:
             async with self._pool.connection() as conn:
-                cursor = await conn.execute(sql, (owner, response_id))
-                row = await cursor.fetchone()
+                cursor = await conn.execute(sql, params)
         except (psycopg.Error, PoolTimeout) as exc:
             raise self._failed(exc) from exc
-        if row is None:
-            return None
-        return schema.record(row)
-
-    async def delete(self, owner: str, response_id: str) -> bool:
-        await self._ready()
-        sql = "DELETE FROM responses WHERE key_hash = %s AND id = %s"
-        try:
-            async with self._pool.connection() as conn:
-                cursor = await conn.execute(sql, (owner, response_id))
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise self._failed(exc) from exc
-        return cursor.rowcount > 0
+        return cursor.rowcount
 
 
 async def _migrate(conn: psycopg.AsyncConnection[tuple]) -> None:  # type: ignore[type-arg]

@@ -13,17 +13,17 @@ import os
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from tokenline.proxy.store import schema
-from tokenline.proxy.store.base import StoredResponse, StoreUnavailable
-from tokenline.proxy.store.schema import COLUMNS, MIGRATIONS, VERSION_TABLE
+from tokenline.proxy.store.base import StoreUnavailable
+from tokenline.proxy.store.queries import SqlStore
+from tokenline.proxy.store.schema import MIGRATIONS, VERSION_TABLE
 
 T = TypeVar("T")
 BUSY_TIMEOUT_S = 5.0
 
 
-class SqliteStore:
+class SqliteStore(SqlStore):
     def __init__(self, path: str) -> None:
         self.url = f"sqlite://{path}"
         self.path = path
@@ -70,33 +70,13 @@ class SqliteStore:
         await asyncio.get_running_loop().run_in_executor(self._pool, close)
         self._pool.shutdown()
 
-    async def put(self, record: StoredResponse) -> None:
-        def put(db: sqlite3.Connection) -> None:
-            db.execute(
-                f"INSERT OR REPLACE INTO responses ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                schema.row(record),
-            )
+    async def _rows(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        query = sql.replace("%s", "?")
+        return await self._run(lambda db: db.execute(query, params).fetchall())
 
-        await self._run(put)
-
-    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
-        def get(db: sqlite3.Connection) -> StoredResponse | None:
-            row = db.execute(
-                f"SELECT {COLUMNS} FROM responses WHERE key_hash = ? AND id = ?",
-                (owner, response_id),
-            ).fetchone()
-            return None if row is None else schema.record(row)
-
-        return await self._run(get)
-
-    async def delete(self, owner: str, response_id: str) -> bool:
-        def delete(db: sqlite3.Connection) -> bool:
-            cursor = db.execute(
-                "DELETE FROM responses WHERE key_hash = ? AND id = ?", (owner, response_id)
-            )
-            return cursor.rowcount > 0
-
-        return await self._run(delete)
+    async def _count(self, sql: str, params: tuple[Any, ...]) -> int:
+        query = sql.replace("%s", "?")
+        return await self._run(lambda db: db.execute(query, params).rowcount)
 
 
 def _migrate(db: sqlite3.Connection) -> None:

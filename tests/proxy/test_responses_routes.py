@@ -86,7 +86,8 @@ async def test_retrieve_replay_is_refused_by_name(proxy: Any, query: str) -> Non
         ({"input": [{"type": "computer_call", "id": "c"}]}, 400, "input[0].type"),
         ({"input": "hi", "previous_response_id": "resp_2"}, 404, "previous_response_id"),
         ({"input": "hi", "conversation": "conv_1"}, 400, "conversation"),
-        ({"input": "hi", "background": True}, 400, "background"),
+        ({"input": "hi", "background": True, "store": False}, 400, "background"),
+        ({"input": "hi", "background": True, "stream": True}, 400, "stream"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
     ],
 )

@@ -5,8 +5,10 @@ says so."""
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -88,7 +90,8 @@ def test_sqlite_schema_version_and_wal(tmp_path: Path) -> None:
 
     asyncio.run(twice())
     db = sqlite3.connect(path)
-    assert db.execute("SELECT version FROM schema_version").fetchall() == [(LATEST,)]
+    versions = db.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
+    assert versions == [(v,) for v in range(1, LATEST + 1)]  # each migration once
     assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -127,8 +130,67 @@ async def test_postgres_migrates_once_when_proxies_start_together(pg_url: str) -
     import psycopg
 
     async with await psycopg.AsyncConnection.connect(pg_url) as conn:
-        cursor = await conn.execute("SELECT version FROM schema_version")
-        assert await cursor.fetchall() == [(LATEST,)]
+        cursor = await conn.execute("SELECT version FROM schema_version ORDER BY version")
+        assert await cursor.fetchall() == [(v,) for v in range(1, LATEST + 1)]
+
+
+def running(
+    rid: str = "resp_1", runner: str = "proxy-a", beat: int | None = None
+) -> StoredResponse:
+    now = int(time.time())
+    return replace(
+        record(rid, status="queued"), runner=runner, heartbeat_at=now if beat is None else beat
+    )
+
+
+async def test_finish_writes_over_a_running_row_but_never_over_a_cancel(store_url: str) -> None:
+    done = replace(record(), response=b'{"id":"resp_1","status":"completed"}')
+    async with opened(store_url) as one, opened(store_url) as two:
+        await one.put(running())
+        assert await one.finish(done) is True
+        got = await two.get(ALICE, "resp_1")
+        assert got == replace(done, runner=None, heartbeat_at=None)
+        assert await one.finish(done) is False  # finished: not running any more
+        await one.put(running("resp_2"))
+        assert await two.cancel(ALICE, "resp_2", b'{"status":"cancelled"}') is True
+        assert await one.finish(replace(done, id="resp_2")) is False
+        got = await one.get(ALICE, "resp_2")
+        assert got is not None and (got.status, got.response) == (
+            "cancelled",
+            b'{"status":"cancelled"}',
+        )
+        assert await two.cancel(ALICE, "resp_2", b"{}") is False  # once
+        assert await two.cancel(BOB, "resp_1", b"{}") is False  # another key's: not found
+
+
+async def test_beat_names_the_runners_rows_still_running(store_url: str) -> None:
+    async with opened(store_url) as one, opened(store_url) as two:
+        old = int(time.time()) - 100
+        for rid in ("resp_a", "resp_b", "resp_c"):
+            await one.put(running(rid, beat=old))
+        await one.put(running("resp_x", runner="proxy-b", beat=old))
+        await two.cancel(ALICE, "resp_b", b"{}")
+        await two.delete(ALICE, "resp_c")
+        assert await one.beat("proxy-a") == {(ALICE, "resp_a")}
+        got = await two.get(ALICE, "resp_a")
+        assert got is not None and got.heartbeat_at is not None and got.heartbeat_at > old
+        # only proxy-b's row kept its old heartbeat: stale
+        stale = await two.stale(int(time.time()) - 30)
+        assert [r.id for r in stale] == ["resp_x"]
+
+
+async def test_expired_rows_are_not_found_then_purged(store_url: str) -> None:
+    now = int(time.time())
+    async with opened(store_url) as store:
+        await store.put(replace(record("resp_old"), expires_at=now - 1))
+        await store.put(replace(record("resp_new"), expires_at=now + 3600))
+        await store.put(record("resp_kept"))  # no expiry
+        assert await store.get(ALICE, "resp_old") is None
+        assert await store.delete(ALICE, "resp_old") is False
+        assert await store.get(ALICE, "resp_new") is not None
+        assert await store.purge() == 1
+        assert await store.purge() == 0
+        assert await store.get(ALICE, "resp_kept") is not None
 
 
 def _closed_port() -> int:
