@@ -34,16 +34,16 @@ from tokenline.proxy.api.completions import (
 from tokenline.proxy.api.messages import add_messages_routes
 from tokenline.proxy.api.responses import add_responses_routes
 from tokenline.proxy.api.tokenize import add_utility_routes
-from tokenline.proxy.client.derender import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.client.http import Client, Limits
 from tokenline.proxy.config import ProxyConfig, ServedModel, served_models
+from tokenline.proxy.flow.derender import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.flow.hops import Hops, Timeouts
 from tokenline.proxy.flow.models import Models, ServedPools
+from tokenline.proxy.flow.retry import RetryPolicy
 from tokenline.proxy.flow.upkeep import learn_served, listed, upkept
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.cache_aware import EventPorts, PrefixRouting
 from tokenline.proxy.routing.pool import Pool, Pools, maintained
-from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.errors import ShuttingDown, Unauthorized
 from tokenline.shared.http import (
     Handler,

@@ -50,10 +50,10 @@ def fake_generate(tokens: int) -> web.Application:
         rid = body["request_id"]
         ids = [10 + i for i in range(tokens)]
         if not body.get("stream"):
-            choice = {"index": 0, "token_ids": ids, "finish_reason": "length"}
+            whole: dict[str, Any] = {"index": 0, "token_ids": ids, "finish_reason": "length"}
             usage = {"prompt_tokens": len(body["token_ids"]), "completion_tokens": tokens}
             usage["total_tokens"] = usage["prompt_tokens"] + tokens
-            return web.json_response({"request_id": rid, "choices": [choice], "usage": usage})
+            return web.json_response({"request_id": rid, "choices": [whole], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i, token in enumerate(ids):

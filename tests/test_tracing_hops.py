@@ -13,13 +13,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.otlp_receiver import PATH, receiving
-from tokenline.proxy.client.derender import HttpDerender
 from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.flow.derender import HttpDerender
 from tokenline.proxy.flow.hops import Hops, Timeouts
 from tokenline.proxy.flow.requests import HopHeaders, engine_id
+from tokenline.proxy.flow.retry import RetryPolicy
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Pools
-from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.kinds import CHAT
 from tokenline.shared.tracing import Tracing, TracingConfig
 from tokenline.shared.wire import GenerateRequest, SamplingParams

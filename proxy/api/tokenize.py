@@ -13,7 +13,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from tokenline.proxy.api.completions import HOPS, hop_headers
-from tokenline.proxy.client.upstream import as_is, post_any
+from tokenline.proxy.flow.replicas import as_is, post_any
 from tokenline.proxy.routing.pool import Pool, Pools
 from tokenline.shared.http import Handler, read_json_body
 

@@ -6,7 +6,7 @@ A socket that fails (closed, reset, an unreadable frame, a batch that timed out 
 replica out of the rotation) fails every batch waiting on it as the replica's fault and is
 dropped; the next batch for that replica opens a new one. An error answer (an envelope, a 5xx)
 is that batch's alone and leaves the socket be. Retrying on another replica is the caller's
-(`proxy.retry.on_replicas`: derender is pure).
+(`flow/retry.py`'s `on_replicas`: derender is pure).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from tokenline.proxy.client.http import (
     take_upgrade,
     target,
 )
-from tokenline.proxy.client.upstream import rejected_or_failed
-from tokenline.proxy.routing.pool import Worker
+from tokenline.proxy.client.upstream import Replica, rejected_or_failed
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -64,7 +63,7 @@ class ReplicaSocket(asyncio.Protocol):
     """One replica's batch socket: the upgrade's answer, then answers to their callers until
     the connection fails; then every caller fails."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Replica) -> None:
         self.worker = worker
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -174,7 +173,7 @@ class BatchSockets:
     opening: dict[str, asyncio.Lock] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=itertools.count)
 
-    async def exchange(self, worker: Worker, kind: str, body: bytes) -> bytes:
+    async def exchange(self, worker: Replica, kind: str, body: bytes) -> bytes:
         """The batch route's answer to `body` (at most `MAX_BATCH_BODY` bytes) from `worker`; an
         error answer raises (`rejected_or_failed`), a failed socket raises its failure."""
         sock = await self._socket(worker)
@@ -201,10 +200,10 @@ class BatchSockets:
             elif not future.cancelled():
                 future.exception()  # retrieved: the caller may have failed another way first
         if status != 200:
-            raise rejected_or_failed("derender", worker, status, data)
+            raise rejected_or_failed("derender", worker.url, status, data)
         return data
 
-    def ready(self, worker: Worker) -> ReplicaSocket | None:
+    def ready(self, worker: Replica) -> ReplicaSocket | None:
         """`worker`'s socket if it is open now (None: a call must open it, and wait)."""
         sock = self.sockets.get(worker.url)
         return sock if sock is not None and sock.failure is None else None
@@ -235,7 +234,7 @@ class BatchSockets:
             sock.abandoned = None
         sock.close(failure)
 
-    async def _socket(self, worker: Worker) -> ReplicaSocket:
+    async def _socket(self, worker: Replica) -> ReplicaSocket:
         sock = self.sockets.get(worker.url)
         if sock is not None and sock.failure is None:
             return sock
@@ -248,7 +247,7 @@ class BatchSockets:
                 self.drop(sock)
             return await self._open(worker)
 
-    async def _open(self, worker: Worker) -> ReplicaSocket:
+    async def _open(self, worker: Replica) -> ReplicaSocket:
         try:
             to = target(worker.url + BATCH_SOCKET_PATH)
         except Unsendable as exc:

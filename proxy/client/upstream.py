@@ -1,12 +1,11 @@
-"""HTTP calls to a replica, with foreign errors translated once, here.
+"""HTTP calls to one replica's address, with foreign errors translated once, here.
 
 Every hop's HTTP goes through `post` (a whole answer) or `stream_payloads` (an SSE stream), on
 the proxy's own client (`proxy/client/http.py`); its and asyncio's exceptions become ours naming
-the hop and the replica, and an error
-answer becomes `UpstreamRejected` (a 4xx that is the request's own fault, which the client gets
-as it is) or `UpstreamError` (the replica failed). A stream reports its outcome to the pool
-itself (`retry.reported`); a `post`'s callers do (`retry.on_replicas`, `Hops.generate_whole`):
-never wrap either in a second report, which would count one fault twice.
+the hop and the address, and an error answer becomes `UpstreamRejected` (a 4xx that is the
+request's own fault, which the client gets as it is) or `UpstreamError` (the replica failed).
+Nothing here knows pools, health or retries: the caller (`proxy/flow/replicas.py`) chooses the
+replica, holds its lease, retries and tells the pool what happened.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ from tokenline.proxy.client.http import (
     Response,
     Unreachable,
 )
-from tokenline.proxy.routing.pool import Pool, Worker
-from tokenline.proxy.routing.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
@@ -45,23 +42,21 @@ REPLICA_STATUSES = frozenset({408, 429, 502, 503, 504})
 GENERATE_PATH = "/inference/v1/generate"
 SSE_LINE_LIMIT = 1 << 24  # one generate chunk's JSON (a step's tokens, with their logprobs)
 BODY_END_WAIT = 1.0  # seconds a stream's body may take to end after its [DONE]
-REPLICA, ATTEMPTS = "tokenline.replica", "tokenline.attempts"
-"""Span attributes: the replica a hop's (last) try went to, and how many tries it took."""
 
 
 @contextlib.contextmanager
-def translated(role: str, worker: Worker) -> Iterator[None]:
+def translated(role: str, url: str) -> Iterator[None]:
     """The client's and asyncio's errors as ours, naming the hop."""
     try:
         yield
     except TimeoutError as exc:
-        raise UpstreamTimeout(f"{role} {worker.url} timed out: {exc!r}") from exc
+        raise UpstreamTimeout(f"{role} {url} timed out: {exc!r}") from exc
     except Unreachable as exc:
-        raise UpstreamUnavailable(f"{role} {worker.url} unreachable: {exc}") from exc
+        raise UpstreamUnavailable(f"{role} {url} unreachable: {exc}") from exc
     except Broken as exc:
-        raise UpstreamError(f"{role} {worker.url} broke the connection: {exc}") from exc
+        raise UpstreamError(f"{role} {url} broke the connection: {exc}") from exc
     except HttpClientError as exc:
-        raise UpstreamError(f"{role} {worker.url}: {exc}") from exc
+        raise UpstreamError(f"{role} {url}: {exc}") from exc
 
 
 def readable(role: str, decode: Callable[[bytes], T], data: bytes) -> T:
@@ -73,7 +68,7 @@ def readable(role: str, decode: Callable[[bytes], T], data: bytes) -> T:
         raise UpstreamError(f"{role} answered an unreadable body: {exc}") from exc
 
 
-def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> ServiceError:
+def rejected_or_failed(role: str, url: str, status: int, body: bytes) -> ServiceError:
     """An error answer as ours.
 
     An answer in the error envelope is the replica working as designed on a request it could
@@ -83,14 +78,14 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
     follows) is the replica's fault.
     """
     if status < 400:
-        return UpstreamError(f"{role} {worker.url} answered {status}, not an answer or an error")
+        return UpstreamError(f"{role} {url} answered {status}, not an answer or an error")
     try:
         envelope = ERROR.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         text = body[:500].decode(errors="replace")
-        return UpstreamError(f"{role} {worker.url} answered {status}: {text}")
+        return UpstreamError(f"{role} {url} answered {status}: {text}")
     if status in REPLICA_STATUSES:
-        return UpstreamError(f"{role} {worker.url} answered {status}: {envelope.error.message}")
+        return UpstreamError(f"{role} {url} answered {status}: {envelope.error.message}")
     if status >= 500:
         return UpstreamFailed(status, envelope)
     return UpstreamRejected(status, envelope)
@@ -98,56 +93,38 @@ def rejected_or_failed(role: str, worker: Worker, status: int, body: bytes) -> S
 
 async def post(
     client: Client,
-    pool: Pool,
-    worker: Worker,
+    role: str,
+    url: str,
     path: str,
     body: bytes,
     headers: Mapping[str, str],
     limits: Limits,
-    uncached: int = 0,
 ) -> bytes:
-    """POST `body` to `worker` and return the answer; error answers raise (`uncached`: the
-    prompt tokens its engine computes, counted as its load meanwhile)."""
-    with pool.lease(worker, uncached), translated(pool.role, worker):
-        status, data = await client.fetch(
-            "POST", worker.url + path, body, _with_pool(pool, headers), limits
-        )
+    """POST `body` to the `role` replica at `url` and return the answer; error answers raise."""
+    with translated(role, url):
+        status, data = await client.fetch("POST", url + path, body, headers, limits)
         if not 200 <= status < 300:
-            raise rejected_or_failed(pool.role, worker, status, data)
+            raise rejected_or_failed(role, url, status, data)
         return data
 
 
-async def post_any(
-    client: Client,
-    pool: Pool,
-    policy: RetryPolicy,
-    path: str,
-    body: bytes,
-    headers: Mapping[str, str],
-    limits: Limits,
-    read: Callable[[bytes], T],
-    span: Span = NO_SPAN,
-) -> T:
-    """POST `body` to a healthy replica of a pure hop's `pool`; another one on a replica's
-    failure (`proxy.retry.on_replicas`). `read` decodes the answer on the replica's account: an
-    answer it cannot read is that replica's fault, and goes to another (`as_is` reads later).
-    The hop's `span` learns each try's replica and how many tries it took."""
-    tries = 0
+class Replica(Protocol):
+    """What a call knows of its replica: its address, and where to put a callback that gives
+    the call up (the replica's owner calls them all when it leaves the rotation)."""
 
-    async def once(worker: Worker) -> T:
-        nonlocal tries
-        tries += 1
-        span.set(REPLICA, worker.url)
-        span.set(ATTEMPTS, tries)
-        data = await post(client, pool, worker, path, body, headers, limits)
-        return readable(pool.role, read, data)
+    @property
+    def url(self) -> str: ...
 
-    return await on_replicas(pool, policy, once)
+    @property
+    def watching(self) -> set[Callable[[], None]]: ...
 
 
-def as_is(data: bytes) -> bytes:
-    """An answer passed on as it came (read later, or by the client)."""
-    return data
+class Held(Protocol):
+    """What a stream's caller holds while it runs (the flow's lease on the replica, whose
+    outcome it tells the pool on leaving)."""
+
+    def prefilled(self) -> None:
+        """The engine has computed the prompt: its first payloads came."""
 
 
 class Pumping(Protocol):
@@ -166,17 +143,19 @@ class Pumping(Protocol):
 
 async def stream_payloads(
     client: Client,
-    pool: Pool,
-    worker: Worker,
+    role: str,
+    replica: Replica,
     body: bytes,
     headers: Mapping[str, str],
     limits: Limits,
-    uncached: int = 0,
+    held: contextlib.AbstractContextManager[Held],
     span: Span = NO_SPAN,
 ) -> AsyncGenerator[list[bytes], Pumping | None]:
-    """The SSE `data:` payloads of a streaming generate call, every one that arrived in one
-    read together, the outcome reported to the pool (a stream left early reports nothing).
-    Leaving early closes the connection, which aborts the request in vLLM.
+    """The SSE `data:` payloads of a streaming generate call to a `role` replica, every one that
+    arrived in one read together, inside `held` (entered with the stream, told its first
+    payloads, left with its outcome: a `ServiceError` raised through it, or none; a stream left
+    early leaves it with `GeneratorExit`). Leaving early closes the connection, which aborts the
+    request in vLLM; the replica leaving the rotation gives the stream up at once.
 
     A reader that sends a `Pumping` in (`asend`) has the payloads fed to it as they arrive,
     until it stops (the generator then yields what it gave back) or the stream ends or fails
@@ -189,21 +168,19 @@ async def stream_payloads(
     `span` (the decode hop's, started by the caller) ends with the stream, in error if it
     failed; nothing is traced per chunk."""
     try:
-        lease = pool.lease(worker, uncached)
-        with lease as leased, reported(pool, worker), translated(pool.role, worker):
-            async with client.request(
-                "POST", worker.url + GENERATE_PATH, body, _with_pool(pool, headers), limits
-            ) as resp:
+        url = replica.url
+        with held as leased, translated(role, url):
+            async with client.request("POST", url + GENERATE_PATH, body, headers, limits) as resp:
                 if not 200 <= resp.status < 300:
-                    raise rejected_or_failed(pool.role, worker, resp.status, await resp.read())
-                with _closed_when_gone(pool.role, worker, resp):
+                    raise rejected_or_failed(role, url, resp.status, await resp.read())
+                with _closed_when_gone(role, replica, resp):
                     events = SseEvents()
                     first = True
                     while (data := await resp.next_piece()) is not None:
                         payloads = events.feed(data)
                         if first and payloads and payloads[0].startswith(b'{"error"'):
                             code = _code(payloads[0])
-                            raise rejected_or_failed(pool.role, worker, code, payloads[0])
+                            raise rejected_or_failed(role, url, code, payloads[0])
                         first = first and not payloads
                         if payloads:
                             leased.prefilled()  # the prompt is computed: a stream from now
@@ -263,8 +240,8 @@ async def _rest_of_body(resp: Response) -> None:
 
 
 @contextlib.contextmanager
-def _closed_when_gone(role: str, worker: Worker, resp: Response) -> Iterator[None]:
-    """A stream given up with `UpstreamUnavailable` as soon as `worker` leaves the rotation (a
+def _closed_when_gone(role: str, replica: Replica, resp: Response) -> Iterator[None]:
+    """A stream given up with `UpstreamUnavailable` as soon as `replica` leaves the rotation (a
     partitioned host would otherwise hold it for the idle timeout, and it could not migrate).
 
     The connection is closed under the reader, whichever task reads it and whenever it next
@@ -277,21 +254,17 @@ def _closed_when_gone(role: str, worker: Worker, resp: Response) -> Iterator[Non
         gone = True
         resp.close()
 
-    worker.watching.add(give_up)
+    replica.watching.add(give_up)
     try:
         yield
     except (HttpClientError, ServiceError) as exc:
         if gone:
-            raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-stream") from exc
+            raise UpstreamUnavailable(f"{role} {replica.url} left the rotation mid-stream") from exc
         raise
     finally:
-        worker.watching.discard(give_up)
+        replica.watching.discard(give_up)
     if gone:
-        raise UpstreamUnavailable(f"{role} {worker.url} left the rotation mid-stream")
-
-
-def _with_pool(pool: Pool, headers: Mapping[str, str]) -> Mapping[str, str]:
-    return {**headers, **pool.headers} if pool.headers else headers
+        raise UpstreamUnavailable(f"{role} {replica.url} left the rotation mid-stream")
 
 
 class SseEvents:

@@ -1,7 +1,9 @@
 """The proxy's calls to render and generate, and the derender transport it was given.
 
-`Hops` owns nothing: it uses the app's HTTP client and pools. Pure hops (render, derender) are
-retried on another replica through `proxy.retry`; the prefill leg tries each prefill replica
+`Hops` owns nothing: it uses the app's HTTP client and pools. It chooses each call's replica,
+holds its lease and tells its pool the outcome (`flow/replicas.py`); the client layer makes the
+call. Pure hops (render, derender) are retried on another replica through
+`retry.on_replicas`; the prefill leg tries each prefill replica
 and falls back to decode-only; a decode leg that fails behind a prefill is run once more
 behind a fresh prefill (`behind_prefill`), as long as nothing has reached the client.
 
@@ -19,19 +21,11 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tokenline.proxy.client.derender import DerenderTransport
 from tokenline.proxy.client.http import Client, HttpClientError, Limits
-from tokenline.proxy.client.upstream import (
-    ATTEMPTS,
-    GENERATE_PATH,
-    REPLICA,
-    Pumping,
-    post,
-    post_any,
-    readable,
-    stream_payloads,
-)
+from tokenline.proxy.client.upstream import GENERATE_PATH, Pumping, post, readable
 from tokenline.proxy.config import ProxyConfig
+from tokenline.proxy.flow.derender import DerenderTransport
+from tokenline.proxy.flow.replicas import ATTEMPTS, REPLICA, post_any, stream_on, with_pool
 from tokenline.proxy.flow.requests import (
     HopHeaders,
     engine_id,
@@ -40,10 +34,10 @@ from tokenline.proxy.flow.requests import (
     prefill_request,
     retry_id,
 )
+from tokenline.proxy.flow.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.cache_aware import Pick
 from tokenline.proxy.routing.pool import Pool, Pools, Worker
-from tokenline.proxy.routing.retry import RetryPolicy, on_replicas, reported
 from tokenline.shared import tracing
 from tokenline.shared.errors import (
     ServiceError,
@@ -182,16 +176,18 @@ class Hops:
             span.set(REPLICA, worker.url)
             span.set(ATTEMPTS, tries)
             uncached = pick.uncached if pick is not None and worker is pick.worker else 0
-            with self.metrics.prompt_in_flight(pool.role, worker.url, len(gen.token_ids)):
+            with (
+                self.metrics.prompt_in_flight(pool.role, worker.url, len(gen.token_ids)),
+                pool.lease(worker, uncached),
+            ):
                 data = await post(
                     self.client,
-                    pool,
-                    worker,
+                    pool.role,
+                    worker.url,
                     GENERATE_PATH,
                     body,
-                    headers.generate(gen),
+                    with_pool(pool, headers.generate(gen)),
                     self.timeouts.pure,
-                    uncached,
                 )
             answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
             _usage(span, answer.usage)
@@ -232,11 +228,12 @@ class Hops:
     ) -> GenerateResponse:
         pool, worker = self.pools.decode, pick.worker
         body = JSON.encode(gen)
-        hdrs, timeout = headers.generate(gen), self.timeouts.generate_whole
-        call = post(self.client, pool, worker, GENERATE_PATH, body, hdrs, timeout, pick.uncached)
+        hdrs, timeout = with_pool(pool, headers.generate(gen)), self.timeouts.generate_whole
+        call = post(self.client, pool.role, worker.url, GENERATE_PATH, body, hdrs, timeout)
         try:
             with reported(pool, worker):  # an unreadable answer counts against the replica
-                data = await self.metrics.timed("decode", call)
+                with pool.lease(worker, pick.uncached):
+                    data = await self.metrics.timed("decode", call)
                 answer = readable(pool.role, GENERATE_RESPONSE.decode, data)
         except ServiceError as exc:
             if not _own_fault(exc):
@@ -255,9 +252,7 @@ class Hops:
         span = tracing.current().start("decode", _leg("decode", gen, pick))
         body = JSON.encode(gen)
         hdrs, limits = headers.under(span.headers()).generate(gen), self.timeouts.generate_stream
-        source = stream_payloads(
-            self.client, pool, pick.worker, body, hdrs, limits, pick.uncached, span
-        )
+        source = stream_on(self.client, pool, pick.worker, body, hdrs, limits, pick.uncached, span)
         return pick.worker, source
 
     def _decode_pick(self, pool: Pool, gen: GenerateRequest, exclude: Sequence[Worker]) -> Pick:

@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from tokenline.proxy.client.derender import Submitted
 from tokenline.proxy.client.http import Response
 from tokenline.proxy.flow.chunks import ReadChoice, StreamCall, generate_chunk, merge_chunks
+from tokenline.proxy.flow.derender import Submitted
 from tokenline.shared.errors import ServiceError, UpstreamError
 from tokenline.shared.wire import GENERATE_CHUNK_HEAD, GenerateStreamChunk
 

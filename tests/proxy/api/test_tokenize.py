@@ -18,12 +18,12 @@ from tokenline.launch.bench.corpus import TEXTS
 from tokenline.launch.bench.http import post
 from tokenline.proxy.api.completions import HOPS
 from tokenline.proxy.api.tokenize import add_utility_routes
-from tokenline.proxy.client.derender import HttpDerender
 from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.flow.derender import HttpDerender
 from tokenline.proxy.flow.hops import Hops, Timeouts
+from tokenline.proxy.flow.retry import RetryPolicy
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Pools
-from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.http import make_base_app
 
 NOT_FOUND = {

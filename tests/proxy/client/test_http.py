@@ -31,7 +31,6 @@ from tokenline.proxy.client.http import (
     target,
 )
 from tokenline.proxy.client.upstream import post
-from tokenline.proxy.routing.pool import Pool
 from tokenline.shared.errors import UpstreamError
 
 # --------------------------------------------------------------------------- parser
@@ -489,9 +488,8 @@ async def test_a_redirect_or_other_non_answer_is_the_replicas_fault(client: Clie
 
     app.router.add_post("/x", moved)
     async with served(app) as url:
-        pool = Pool("render", (url,))
         with pytest.raises(UpstreamError, match="answered 302"):
-            await post(client, pool, pool.workers[0], "/x", b"{}", {}, Limits(1, 1))
+            await post(client, "render", url, "/x", b"{}", {}, Limits(1, 1))
 
 
 def test_bytes_after_an_answer_without_a_body_are_refused() -> None:

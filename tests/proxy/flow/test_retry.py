@@ -11,9 +11,9 @@ from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
 from tokenline.proxy.client.http import Client, Limits
-from tokenline.proxy.client.upstream import stream_payloads
+from tokenline.proxy.flow.replicas import stream_on
+from tokenline.proxy.flow.retry import FirstTry, RetryPolicy, on_replicas
 from tokenline.proxy.routing.pool import Pool, Worker
-from tokenline.proxy.routing.retry import FirstTry, RetryPolicy, on_replicas
 from tokenline.shared.errors import (
     UpstreamError,
     UpstreamRejected,
@@ -181,7 +181,7 @@ async def test_a_stream_on_a_replica_that_leaves_the_rotation_gives_up_at_once()
     loop = asyncio.get_running_loop()
     client = Client()
     try:
-        source = stream_payloads(client, p, p.workers[0], b"{}", {}, limits)
+        source = stream_on(client, p, p.workers[0], b"{}", {}, limits)
         got = [await anext(source), await anext(source)]
         await asyncio.sleep(0.05)  # the reader is not waiting on the socket now
         p.failed(p.workers[0], "health check", certain=True)

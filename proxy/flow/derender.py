@@ -5,8 +5,9 @@
   derender replica (tokenline's batch calls, over one batch socket per
   replica: `proxy/client/batch_sockets.py`; an item's error is that item's).
 
-Whole (non-streaming) answers always go over HTTP. Every transport retries through
-`proxy.retry.on_replicas` (derender is pure: any replica may answer a call again).
+Whole (non-streaming) answers always go over HTTP. Every transport chooses the replica, retries
+through `retry.on_replicas` (derender is pure: any replica may answer a call again) and
+tells the pool each call's outcome; the client layer below makes the calls.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import msgspec
 
 from tokenline.proxy.client.batch_sockets import BatchSockets, ReplicaSocket
 from tokenline.proxy.client.http import Client, Limits
-from tokenline.proxy.client.upstream import post_any, readable, rejected_or_failed
+from tokenline.proxy.client.upstream import readable, rejected_or_failed
 from tokenline.proxy.flow.chunks import StreamAnswer, StreamCall
+from tokenline.proxy.flow.replicas import post_any
+from tokenline.proxy.flow.retry import FirstTry, RetryPolicy, on_replicas, report
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Worker
-from tokenline.proxy.routing.retry import FirstTry, RetryPolicy, on_replicas, report
 from tokenline.shared import tracing
 from tokenline.shared.errors import (
     PayloadTooLarge,
@@ -433,7 +435,7 @@ class BatchedDerender(HttpDerender):
         """A quick batch's answer, in the socket's callback."""
         try:
             if status != 200:
-                raise rejected_or_failed("derender", quick.worker, status, data)
+                raise rejected_or_failed("derender", quick.worker.url, status, data)
             answers = _read_batch(data, len(quick.part))
         except ServiceError as exc:
             self._failed_now(quick, exc)

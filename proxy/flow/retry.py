@@ -1,11 +1,13 @@
 """The one retry primitive: a call tried on one replica after another, bounded in attempts and
-time, with jittered exponential backoff between tries.
+time, with jittered exponential backoff between tries; and how a call's outcome is told to its
+replica's pool (`report`, `reported`).
 
 Every hop that may be retried goes through `on_replicas`: render and derender (pure, so any
 replica may answer again), the derender transports, and the prefill leg (whose caller falls back
 to decode-only when it gives up). A failing replica is reported to its pool (which decides
 whether to eject it); a 4xx that is the request's own fault (`UpstreamRejected`) is never
-retried. Generate calls that may have reached an engine are not retried here.
+retried. Generate calls that may have reached an engine are not retried here. The calls it
+retries are the client layer's (`proxy/client/`), which knows nothing of pools or retries.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _gone(exc: ServiceError) -> bool:
 async def unless_abandoned(role: str, worker: Worker, call: Callable[[Worker], Awaitable[T]]) -> T:
     """`call(worker)`, given up with `UpstreamUnavailable` as soon as `worker` leaves the
     rotation (a partitioned host: its health checks fail long before a call's timeout). A
-    stream on it is given up by closing its connection instead (`proxy.upstream`)."""
+    stream on it is given up by closing its connection instead (`client.upstream`)."""
     try:
         async with asyncio.timeout(None) as watch:
 

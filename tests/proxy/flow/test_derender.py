@@ -17,13 +17,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.fakes.frames import Frames
-from tokenline.proxy.client import derender as transport_module
-from tokenline.proxy.client.derender import BatchedDerender, HttpDerender
 from tokenline.proxy.client.http import Client, Limits
+from tokenline.proxy.flow import derender as transport_module
 from tokenline.proxy.flow.chunks import StreamCall
+from tokenline.proxy.flow.derender import BatchedDerender, HttpDerender
+from tokenline.proxy.flow.retry import RetryPolicy
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool
-from tokenline.proxy.routing.retry import RetryPolicy
 from tokenline.shared.errors import (
     ServiceError,
     UpstreamError,
