@@ -319,10 +319,9 @@ def reset_caches(engines: Sequence[Process]) -> None:
 
 def events_settled(proxy: Process, quiet: float = 1.0, timeout: float = 30.0) -> None:
     """Until the proxy has applied every KV event batch it will get (none for `quiet`
-    seconds). A proxy that joins late replays each engine's
-    events from its start on the first one it receives, the clears of earlier measurements
-    among them, and a replayed clear also forgets what the proxy sent since: the workload
-    must not begin while that runs."""
+    seconds). A proxy that joins late replays each engine's events from its start on the
+    first one it receives, the blocks of earlier measurements and their clears among them:
+    the workload begins once the proxy knows what each engine holds."""
     deadline = time.monotonic() + timeout
     last = routing_gauges(scrape(proxy.url), {}).get("kv_event_batches", 0.0)
     calm_since = time.monotonic()

@@ -55,21 +55,35 @@ class BlockIndex:
         for key in keys:
             held[key] = held.get(key, 0) + 1
 
-    def removed(self, keys: Iterable[int]) -> None:
-        """The engine evicted one block under each key (`BlockRemoved`)."""
-        held = self._held
+    def removed(self, keys: Iterable[int], at: float | None = None) -> None:
+        """The engine evicted one block under each key (`BlockRemoved`), at `at` on the
+        callers' clock (None: now): a key sent here since then stays sent (the engine computes
+        it again)."""
+        held, sent = self._held, self._sent
         for key in keys:
             count = held.pop(key, 0)
             if count > 1:
                 held[key] = count - 1
             elif count == 0:
                 self.unknown_removals += 1
-            self._sent.pop(key, None)
+            if at is None or sent.get(key, at) < at:
+                sent.pop(key, None)
 
-    def clear(self) -> None:
-        """Forget every block (`AllBlocksCleared`, a restarted engine, events lost)."""
+    def clear(self, at: float | None = None) -> None:
+        """Forget every block the engine reported, and those sent here before `at` on the
+        callers' clock (None: all of them). An `AllBlocksCleared` that arrives late (replayed
+        to a proxy that joins, or after a gap) tells nothing about what was sent since;
+        a restarted engine or lost events forget everything."""
         self._held.clear()
-        self._sent.clear()
+        sent = self._sent
+        if at is None:
+            sent.clear()
+            return
+        while sent:  # oldest first: `sent` moves a key to the end with its newest time
+            key, when = next(iter(sent.items()))
+            if when >= at:
+                return
+            del sent[key]
 
     def sent(self, keys: Sequence[int], now: float) -> None:
         """The proxy sent a prompt with these blocks here at `now`."""

@@ -302,7 +302,7 @@ class PrefixRouting:
             return
         endpoint, replay = self.events.endpoints(url)
         subscriber = KvEventSubscriber(
-            self.index(url), endpoint, replay_endpoint=replay, hasher=self.hasher
+            self.index(url), endpoint, replay_endpoint=replay, hasher=self.hasher, clock=self.now
         )
         self.subscribers[url] = subscriber
         await subscriber.start()

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -192,19 +193,28 @@ class Sequencer:
         self._take(out, seq, payload)
 
 
-def apply_batch(index: BlockIndex, batch: EventBatch, *, group: int = 0, medium: str = GPU) -> None:
+def apply_batch(
+    index: BlockIndex,
+    batch: EventBatch,
+    *,
+    group: int = 0,
+    medium: str = GPU,
+    at: float | None = None,
+) -> None:
     """Apply one batch's events to `index`: those of KV cache group `group` in `medium`
-    (events that name neither count as both)."""
+    (events that name neither count as both). `at`: when the engine stamped the batch, on
+    the index's clock (None: now); its removals and clears leave the blocks the proxy sent
+    there since."""
     for event in batch.events:
         match event:
             case AllBlocksCleared():
-                index.clear()
+                index.clear(at)
             case BlockStored() | BlockRemoved() if not _ours(event, group, medium):
                 continue
             case BlockStored(block_hashes=hashes):
                 index.stored(map(block_key, hashes))
             case BlockRemoved(block_hashes=hashes):
-                index.removed(map(block_key, hashes))
+                index.removed(map(block_key, hashes), at)
 
 
 def _ours(event: BlockStored | BlockRemoved, group: int, medium: str) -> bool:
@@ -259,8 +269,12 @@ class KvEventSubscriber:
         hasher: BlockHasher | None = None,
         group: int = 0,
         medium: str = GPU,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: the one the index's sent blocks are stamped with (a batch's stamp, the
+        engine's wall clock, is placed on it by its age)."""
         self.index = index
+        self.clock = clock
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -342,9 +356,10 @@ class KvEventSubscriber:
         for batch in out.batches:
             if self.hasher is not None and self.hash_check == "unchecked":
                 self._check(batch)
-            apply_batch(self.index, batch, group=self.group, medium=self.medium)
-            self.applied += 1
             self.lag = max(time.time() - batch.ts, 0.0)
+            at = self.clock() - self.lag
+            apply_batch(self.index, batch, group=self.group, medium=self.medium, at=at)
+            self.applied += 1
 
     def _check(self, batch: EventBatch) -> None:
         assert self.hasher is not None

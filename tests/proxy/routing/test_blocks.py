@@ -85,6 +85,30 @@ def test_clear_forgets_both() -> None:
     assert index.cached_prefix([1], now=0) == index.cached_prefix([2], now=0) == 0
 
 
+def test_a_late_clear_leaves_what_was_sent_since() -> None:
+    """A clear stamped at 5 (replayed to a proxy that joined later, say) forgets what the
+    engine held and what was sent before 5, not what the proxy sent at 5 or after."""
+    index = BlockIndex()
+    index.stored([1])
+    index.sent([2], now=3)
+    index.sent([6], now=4)
+    index.sent([3, 4], now=5)
+    index.sent([2], now=8)  # sent again: its newest time counts
+    index.clear(at=5)
+    assert [index.cached_prefix([k], now=9) for k in (1, 2, 3, 4, 6)] == [0, 1, 1, 1, 0]
+
+
+def test_a_late_eviction_leaves_a_block_sent_since() -> None:
+    index = BlockIndex()
+    index.stored([1, 2])
+    index.sent([1], now=2)
+    index.sent([2], now=7)
+    index.removed([1, 2], at=5)
+    assert index.held == 0
+    assert index.cached_prefix([1], now=8) == 0
+    assert index.cached_prefix([2], now=8) == 1
+
+
 def test_negative_settings() -> None:
     with pytest.raises(ValueError, match="must not be negative"):
         BlockIndex(sent_ttl=-1)

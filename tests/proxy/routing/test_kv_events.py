@@ -399,6 +399,37 @@ async def test_a_late_subscriber_rebuilds_from_the_replay(
         pub.shutdown()
 
 
+async def test_a_replayed_clear_leaves_what_the_proxy_sent_since(
+    sockets: tuple[str, str], context: zmq.asyncio.Context
+) -> None:
+    """A proxy that joins late replays the engine's events, an `AllBlocksCleared` of long
+    ago among them: it forgets the blocks the events stored before it, not the blocks the
+    proxy sent there since it started."""
+    pub = publisher(*sockets)
+    index = BlockIndex()
+    subscriber = KvEventSubscriber(
+        index, sockets[0], replay_endpoint=sockets[1], topic="kv", context=context
+    )
+    try:
+        past = time.time() - 30
+        batch = vllm_events().KVEventBatch
+        pub.publish(batch(ts=past, events=[stored(1, 2)]))
+        pub.publish(batch(ts=past + 1, events=[vllm_events().AllBlocksCleared()]))
+        pub.publish(batch(ts=past + 2, events=[stored(3)]))
+        index.sent([7, 8], now=time.monotonic())  # routed before the replay came in
+        await join(pub, subscriber)
+        assert subscriber.sequencer.clears == 0
+        assert [index.copies(k) for k in (1, 2, 3)] == [0, 0, 1]
+        assert index.cached_prefix([7, 8], now=time.monotonic()) == 2
+        # a clear as it happens still forgets what was sent before it
+        pub.publish(batch(ts=time.time() + 0.5, events=[vllm_events().AllBlocksCleared()]))
+        await until(lambda: index.held == 0)
+        assert index.cached_prefix([7, 8], now=time.monotonic()) == 0
+    finally:
+        await subscriber.close()
+        pub.shutdown()
+
+
 async def test_a_replay_that_cannot_cover_clears_and_goes_on(
     sockets: tuple[str, str], context: zmq.asyncio.Context
 ) -> None:
