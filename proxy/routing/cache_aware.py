@@ -177,8 +177,34 @@ class PrefixRouting:
         ]
         i = self.chooser.choose(candidates, prompt.tokens)
         worker, cached = workers[i], candidates[i].cached_blocks
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_choice(workers, candidates, prompt, i)
         self.index(worker.url).sent(prompt.keys, now)
         return self._counted(worker, prompt, cached)
+
+    def _log_choice(
+        self, workers: Sequence[Worker], candidates: Sequence[Candidate], prompt: Prompt, i: int
+    ) -> None:
+        """One line per decision: the prompt (its length, its blocks' keys, shortened) and
+        each replica's load, standing, expected cached blocks and cost."""
+        assert self.chooser is not None
+        chooser, eligible = self.chooser, self.chooser.eligible(candidates, prompt.tokens)
+        rows = []
+        for k, (w, c) in enumerate(zip(workers, candidates, strict=True)):
+            cost = chooser.cost(c, prompt.tokens)
+            mark = "*" if k == i else "" if k in eligible else "x"
+            rows.append(
+                f"{mark}{w.url} uncached={c.load.uncached_tokens} streams={c.load.streams} "
+                f"standing={chooser.standing(c.load):.0f} cached={c.cached_blocks} cost={cost:.0f}"
+            )
+        keys = ",".join(f"{k & 0xFFFF:04x}" for k in prompt.keys)
+        log.debug(
+            "routing.choice role=%s tokens=%d keys=%s | %s",
+            self.role,
+            prompt.tokens,
+            keys,
+            " | ".join(rows),
+        )
 
     def _cold(self, url: str, adapter: str | None, now: float) -> float:
         """The adapter's weight on replica `url`: none if a request for it went there within

@@ -26,7 +26,7 @@ def test_cached_prefix_counts_as_the_prefill_it_saves() -> None:
     chooser = PrefixChooser(16, stream_cost=0, compute_cost=1)
     # 10 cached blocks save 160 tokens: worth it against 100 more tokens of load, not 200
     # (a third, busy replica keeps both within the cap)
-    busy = Candidate(Load(250, 0, 250), 0)
+    busy = Candidate(Load(250, 0, 1000), 0)
     assert chooser.choose([Candidate(Load(100, 0), 10), Candidate(IDLE, 0), busy], 400) == 0
     assert chooser.choose([Candidate(Load(200, 0), 10), Candidate(IDLE, 0), busy], 400) == 1
 
@@ -51,13 +51,13 @@ def test_while_the_load_is_light_a_prefix_stays_where_it_is() -> None:
     relative rule alone would send it away, to compute the prefix again); past both the
     slack and 1.5x the mean, it gives it up."""
     chooser = PrefixChooser(16, slack=1000)
-    took_one = Load(0, 1, 800)  # 864 + 864 against max(1.5 * 864, 864 + 1000)
-    assert chooser.choose([Candidate(took_one, 50), Candidate(IDLE, 0)], 800) == 0
-    took_four = Load(0, 4, 3200)  # 3456 + 864 against max(1.5 * 2160, 2160 + 1000)
-    assert chooser.choose([Candidate(took_four, 50), Candidate(IDLE, 0)], 800) == 1
+    took_one = Load(0, 1, 800)  # 864 + 864 against max(1.5 * 864, 864 + 1000) (+ 160 its own)
+    assert chooser.choose([Candidate(took_one, 10), Candidate(IDLE, 0)], 800) == 0
+    took_four = Load(0, 4, 3200)  # 3456 + 864 against max(1.5 * 2160, 2160 + 1000) (+ 160)
+    assert chooser.choose([Candidate(took_four, 10), Candidate(IDLE, 0)], 800) == 1
     # the relative rule alone spreads at once
     strict = PrefixChooser(16, slack=0)
-    assert strict.choose([Candidate(took_one, 50), Candidate(IDLE, 0)], 800) == 1
+    assert strict.choose([Candidate(took_one, 10), Candidate(IDLE, 0)], 800) == 1
 
 
 def test_streams_weigh_as_tokens() -> None:
@@ -151,14 +151,24 @@ def test_the_pick_is_within_the_cap_and_least_loaded_after(
     standings = [chooser.standing(c.load) for c in candidates]
     added = prompt + chooser.stream_cost
     after_standings = [s + added * (i == pick) for i, s in enumerate(standings)]
-    # within the cap after taking it, or (none is) within half the prompt of the least
-    within = after_standings[pick] <= bound(chooser, after_standings) + 1e-6
+    cached = [c.cached_blocks for c in candidates]
+    own = [
+        max(n - max(cached[:i] + cached[i + 1 :], default=n), 0) * 16 for i, n in enumerate(cached)
+    ]
+    # within the cap after taking it (lifted by what of the prompt it alone holds), or
+    # (none is) within half the prompt of the least
+    within = after_standings[pick] <= bound(chooser, after_standings) + own[pick] + 1e-6
     assert within or standings[pick] <= min(standings) + prompt / 2
     after = [
         chooser.weight(c.load) + chooser.compute_cost * chooser.uncached(prompt, c.cached_blocks)
         for c in candidates
     ]
-    assert after[pick] == min(after[i] for i in chooser.eligible(candidates, prompt))
+    eligible = chooser.eligible(candidates, prompt)
+    if any(own[i] for i in eligible):  # the prompt's own history: least work after
+        assert after[pick] == min(after[i] for i in eligible)
+    else:  # a new one: least work after and standing, together
+        key = [a + s for a, s in zip(after, standings, strict=True)]
+        assert key[pick] == min(key[i] for i in eligible)
 
 
 HOT = list(range(1000, 1032))  # a 32-block hot prefix (e.g. a long system prompt)
