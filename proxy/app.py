@@ -39,7 +39,7 @@ from tokenline.proxy.config import ProxyConfig, ServedModel, served_models
 from tokenline.proxy.flow.derender import BatchedDerender, DerenderTransport, HttpDerender
 from tokenline.proxy.flow.hops import Hops, Timeouts
 from tokenline.proxy.flow.models import Models, ServedPools
-from tokenline.proxy.flow.retry import RetryPolicy
+from tokenline.proxy.flow.replicas import RetryPolicy
 from tokenline.proxy.flow.upkeep import learn_served, listed, upkept
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.cache_aware import EventPorts, PrefixRouting
@@ -146,7 +146,15 @@ def generate_pool(
     pool = Pool(role, urls, dict(headers), policy=config.routing)
     if config.routing == "cache-aware":
         events = EventPorts.of(config.kv_events_offset, config.kv_events_ipc)
-        pool.routing = PrefixRouting(role, events, config.prefix_hash_seed)
+        pool.routing = PrefixRouting(
+            role,
+            events,
+            config.prefix_hash_seed,
+            cap=config.routing_cap,
+            stream_cost=config.routing_stream_cost,
+            compute_cost=config.routing_compute_cost,
+            recent_half_life=config.routing_half_life,
+        )
     return pool
 
 

@@ -16,8 +16,8 @@ from tests.otlp_receiver import PATH, receiving
 from tokenline.proxy.client.http import Client, Limits
 from tokenline.proxy.flow.derender import HttpDerender
 from tokenline.proxy.flow.hops import Hops, Timeouts
+from tokenline.proxy.flow.replicas import RetryPolicy
 from tokenline.proxy.flow.requests import HopHeaders, engine_id
-from tokenline.proxy.flow.retry import RetryPolicy
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Pools
 from tokenline.shared.kinds import CHAT

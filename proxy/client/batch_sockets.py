@@ -6,7 +6,7 @@ A socket that fails (closed, reset, an unreadable frame, a batch that timed out 
 replica out of the rotation) fails every batch waiting on it as the replica's fault and is
 dropped; the next batch for that replica opens a new one. An error answer (an envelope, a 5xx)
 is that batch's alone and leaves the socket be. Retrying on another replica is the caller's
-(`flow/retry.py`'s `on_replicas`: derender is pure).
+(`flow/replicas.py`'s `on_replicas`: derender is pure).
 """
 
 from __future__ import annotations

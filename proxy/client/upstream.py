@@ -245,7 +245,7 @@ def _closed_when_gone(role: str, replica: Replica, resp: Response) -> Iterator[N
     partitioned host would otherwise hold it for the idle timeout, and it could not migrate).
 
     The connection is closed under the reader, whichever task reads it and whenever it next
-    does (a timeout, as `retry.unless_abandoned` uses for a call, would cancel the task that
+    does (a timeout, as `flow.replicas.unless_abandoned` uses for a call, would cancel the task that
     entered it, which may be waiting elsewhere: on derender)."""
     gone = False
 

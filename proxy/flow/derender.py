@@ -6,7 +6,7 @@
   replica: `proxy/client/batch_sockets.py`; an item's error is that item's).
 
 Whole (non-streaming) answers always go over HTTP. Every transport chooses the replica, retries
-through `retry.on_replicas` (derender is pure: any replica may answer a call again) and
+through `replicas.on_replicas` (derender is pure: any replica may answer a call again) and
 tells the pool each call's outcome; the client layer below makes the calls.
 """
 
@@ -25,8 +25,7 @@ from tokenline.proxy.client.batch_sockets import BatchSockets, ReplicaSocket
 from tokenline.proxy.client.http import Client, Limits
 from tokenline.proxy.client.upstream import readable, rejected_or_failed
 from tokenline.proxy.flow.chunks import StreamAnswer, StreamCall
-from tokenline.proxy.flow.replicas import post_any
-from tokenline.proxy.flow.retry import FirstTry, RetryPolicy, on_replicas, report
+from tokenline.proxy.flow.replicas import FirstTry, RetryPolicy, on_replicas, post_any, report
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Worker
 from tokenline.shared import tracing

@@ -2,10 +2,10 @@
 
 `Hops` owns nothing: it uses the app's HTTP client and pools. It chooses each call's replica,
 holds its lease and tells its pool the outcome (`flow/replicas.py`); the client layer makes the
-call. Pure hops (render, derender) are retried on another replica through
-`retry.on_replicas`; the prefill leg tries each prefill replica
-and falls back to decode-only; a decode leg that fails behind a prefill is run once more
-behind a fresh prefill (`behind_prefill`), as long as nothing has reached the client.
+call. Pure hops (render, derender) are retried on another replica through `on_replicas`; the
+prefill leg tries each prefill replica and falls back to decode-only; a decode leg that fails
+behind a prefill is run once more behind a fresh prefill (`behind_prefill`), as long as nothing
+has reached the client.
 
 While the request is traced (`shared/tracing.py`), each call here is a span, a child of the
 request's, and names itself as the parent in the `traceparent` the call carries: render, each
@@ -25,7 +25,16 @@ from tokenline.proxy.client.http import Client, HttpClientError, Limits
 from tokenline.proxy.client.upstream import GENERATE_PATH, Pumping, post, readable
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow.derender import DerenderTransport
-from tokenline.proxy.flow.replicas import ATTEMPTS, REPLICA, post_any, stream_on, with_pool
+from tokenline.proxy.flow.replicas import (
+    ATTEMPTS,
+    REPLICA,
+    RetryPolicy,
+    on_replicas,
+    post_any,
+    reported,
+    stream_on,
+    with_pool,
+)
 from tokenline.proxy.flow.requests import (
     HopHeaders,
     engine_id,
@@ -34,7 +43,6 @@ from tokenline.proxy.flow.requests import (
     prefill_request,
     retry_id,
 )
-from tokenline.proxy.flow.retry import RetryPolicy, on_replicas, reported
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.cache_aware import Pick
 from tokenline.proxy.routing.pool import Pool, Pools, Worker

@@ -21,7 +21,7 @@ from tokenline.proxy.api.tokenize import add_utility_routes
 from tokenline.proxy.client.http import Client, Limits
 from tokenline.proxy.flow.derender import HttpDerender
 from tokenline.proxy.flow.hops import Hops, Timeouts
-from tokenline.proxy.flow.retry import RetryPolicy
+from tokenline.proxy.flow.replicas import RetryPolicy
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool, Pools
 from tokenline.shared.http import make_base_app

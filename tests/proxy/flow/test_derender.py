@@ -21,7 +21,7 @@ from tokenline.proxy.client.http import Client, Limits
 from tokenline.proxy.flow import derender as transport_module
 from tokenline.proxy.flow.chunks import StreamCall
 from tokenline.proxy.flow.derender import BatchedDerender, HttpDerender
-from tokenline.proxy.flow.retry import RetryPolicy
+from tokenline.proxy.flow.replicas import RetryPolicy
 from tokenline.proxy.metrics import ProxyMetrics
 from tokenline.proxy.routing.pool import Pool
 from tokenline.shared.errors import (

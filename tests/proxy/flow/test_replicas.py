@@ -11,8 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from tests.fakes.decode import EndlessDecode
 from tokenline.proxy.client.http import Client, Limits
-from tokenline.proxy.flow.replicas import stream_on
-from tokenline.proxy.flow.retry import FirstTry, RetryPolicy, on_replicas
+from tokenline.proxy.flow.replicas import FirstTry, RetryPolicy, on_replicas, stream_on
 from tokenline.proxy.routing.pool import Pool, Worker
 from tokenline.shared.errors import (
     UpstreamError,
