@@ -146,7 +146,15 @@ def generate_pool(
     pool = Pool(role, urls, dict(headers), policy=config.routing)
     if config.routing == "cache-aware":
         events = EventPorts.of(config.kv_events_offset, config.kv_events_ipc)
-        pool.routing = PrefixRouting(role, events, config.prefix_hash_seed)
+        pool.routing = PrefixRouting(
+            role,
+            events,
+            config.prefix_hash_seed,
+            cap=config.routing_cap,
+            stream_cost=config.routing_stream_cost,
+            compute_cost=config.routing_compute_cost,
+            recent_half_life=config.routing_half_life,
+        )
     return pool
 
 

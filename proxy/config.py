@@ -104,6 +104,21 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     skip_prefill_within: NonNegative = 256
     """P/D, cache-aware: a prompt whose decode replica is expected to hold all of it but at
     most this many tokens runs decode-only there, without a prefill leg (0: never)."""
+    routing_cap: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    """Cache-aware: a replica takes a prompt only if its standing after (the prompt tokens
+    sent there lately, decayed, plus its running streams) is at most this many times the
+    pool's mean; the one replica that alone holds part of the prompt (a conversation's
+    history) may pass it by those tokens. The balance under one hot prefix."""
+    routing_half_life: Seconds = 300.0
+    """Cache-aware: seconds over which the prompt tokens sent to a replica count half as
+    much toward its standing (how long the cap remembers finished work)."""
+    routing_stream_cost: Annotated[float, msgspec.Meta(ge=0)] = 64.0
+    """Cache-aware: prompt tokens of work one running stream weighs as, in a replica's load
+    and standing."""
+    routing_compute_cost: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    """Cache-aware: what a prompt token a replica would compute (not cached there) weighs
+    against a token of work already in flight; above 1, a conversation stays with its
+    history rather than follow the moment's load."""
     health_interval: Seconds = 2.0
     """Seconds between health checks of each replica."""
     max_in_flight: Positive = 1024
@@ -179,6 +194,10 @@ CLI = CommandLine(
         "store": Option(env="TOKENLINE_STORE"),
         "store_ttl": Option(env="TOKENLINE_STORE_TTL"),
         "open": Option(env="TOKENLINE_OPEN"),
+        **{
+            f"routing_{name}": Option(env=f"TOKENLINE_ROUTING_{name.upper()}")
+            for name in ("cap", "half_life", "stream_cost", "compute_cost")
+        },
         "api_key": _key_file("api_key", "the key clients must send"),
         "generate_api_key": _key_file("generate_api_key", "the key generate replicas require"),
     },

@@ -120,6 +120,7 @@ class PrefixRouting:
     """The engines' PYTHONHASHSEED, if they set one (vLLM seeds its block hashes with it)."""
     cap: float = 1.5
     stream_cost: float = 64.0
+    compute_cost: float = 2.0
     slack: float = 0.0
     sent_ttl: float = 120.0
     recent_half_life: float = 300.0
@@ -319,7 +320,11 @@ class PrefixRouting:
         self.config = config
         self.hasher = BlockHasher(config.block_size, config.hash_algo, self.seed)
         self.chooser = PrefixChooser(
-            config.block_size, cap=self.cap, stream_cost=self.stream_cost, slack=self.slack
+            config.block_size,
+            cap=self.cap,
+            stream_cost=self.stream_cost,
+            slack=self.slack,
+            compute_cost=self.compute_cost,
         )
         log.info("routing.cache_aware role=%s %s", self.role, described(config))
 

@@ -214,6 +214,7 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
     "--routing --kv-events-offset --kv-events-ipc --prefix-hash-seed --skip-prefill-within "
+    "--routing-cap --routing-half-life --routing-stream-cost --routing-compute-cost "
     "--health-interval --max-in-flight --max-queued "
     "--max-body-bytes --connect-timeout "
     "--hop-timeout --first-token-timeout --stream-idle-timeout --drain-timeout",
@@ -303,10 +304,13 @@ PROXY_ENV = {
     "TOKENLINE_GENERATE_API_KEY": "g",
 }
 KEY_FILE_VARS = {"TOKENLINE_API_KEY_FILE", "TOKENLINE_GENERATE_API_KEY_FILE", "TOKENLINE_OPEN"}
+ROUTING_VARS = {
+    f"TOKENLINE_ROUTING_{name}" for name in ("CAP", "HALF_LIFE", "STREAM_COST", "COMPUTE_COST")
+}
 
 
 def test_proxy_environment() -> None:
-    assert set(proxy.ENV) == set(PROXY_ENV) | KEY_FILE_VARS
+    assert set(proxy.ENV) == set(PROXY_ENV) | KEY_FILE_VARS | ROUTING_VARS
     config = proxy.from_args(service_parser("proxy", PROXY_ENV).parse_args([]))
     assert config.render_urls == ("http://r1", "http://r2") and config.prefill_urls == ()
     assert (config.port, config.api_key, config.generate_api_key) == (9000, "k", "g")
