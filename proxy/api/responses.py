@@ -32,10 +32,12 @@ from aiohttp import web
 
 from tokenline.proxy.api.completions import (
     ADMISSION,
+    MODELS,
     EventStream,
     answer_stream,
     answer_whole,
 )
+from tokenline.proxy.flow.requests import ClientRequest
 from tokenline.proxy.store import Store, StoredResponse, key_hash, open_store
 from tokenline.proxy.store.base import RUNNING
 from tokenline.proxy.store.runs import GONE, Runs, failed
@@ -177,18 +179,23 @@ async def _start(
     request: web.Request,
     asked: ResponsesRequest,
     rid: str,
-    client: Any,
+    client: ClientRequest,
     raw: bytes,
     items: list[InputItem],
 ) -> web.Response:
     """Write the `queued` row, start its task, and answer with it (vLLM's answer)."""
+    request.app[MODELS].target(client.model)  # an unknown model: vLLM's 404 now, not a failure
     queued = _record(request, response_of(asked, rid, asked.model or "", [], "queued", None), items)
     await request.app[RUNS].start(queued, _run(request, asked, queued, client, raw))
     return web.Response(body=queued.response, content_type="application/json")
 
 
 async def _run(
-    request: web.Request, asked: ResponsesRequest, queued: StoredResponse, client: Any, raw: bytes
+    request: web.Request,
+    asked: ResponsesRequest,
+    queued: StoredResponse,
+    client: ClientRequest,
+    raw: bytes,
 ) -> None:
     """A background response's task: the answer, or why not, written over its queued row."""
     runs = request.app[RUNS]

@@ -6,7 +6,10 @@ across two proxies, and bad input."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,8 +307,8 @@ def test_bad_input_is_named(responses: Responses) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         ours.responses.create(input="x", previous_response_id="resp_nope", **BASE)
     assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as background:
-        ours.responses.create(input="x", background=True, **BASE)
+    with pytest.raises(openai.BadRequestError, match="store") as background:
+        ours.responses.create(input="x", background=True, store=False, **BASE)
     assert background.value.body["param"] == "background"  # type: ignore[index]
 
 
@@ -344,3 +347,68 @@ def test_two_proxies_share_a_postgresql_store(
     )
     assert one.responses.retrieve(follow.id).model_dump() == follow.model_dump()
     assert two.responses.retrieve(first.id).model_dump() == first.model_dump()
+
+
+def until(check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return got
+
+
+@pytest.mark.parametrize("case", ["reasoning", "tool"])
+def test_background_ends_as_the_foreground_answer(responses: Responses, case: str) -> None:
+    ours = client(responses.pipeline.proxy)
+    queued = ours.responses.create(**CASES[case], background=True)
+    assert (queued.status, queued.output, queued.usage, queued.background) == (
+        "queued",
+        [],
+        None,
+        True,
+    )
+    done = until(lambda: (r := ours.responses.retrieve(queued.id)).status != "queued" and r)
+    fore = ours.responses.create(**CASES[case])
+    assert (done.status, fore.status) == ("completed", "completed")
+    assert shape(done) == shape(fore) and usage(done) == usage(fore)
+    assert (done.created_at, done.background, fore.background) == (queued.created_at, True, False)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        ours.responses.cancel(queued.id)
+
+
+def generating(engine: Server) -> float:
+    """How many requests vLLM is generating for (its `num_requests_running` gauge)."""
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    assert found is not None
+    return float(found.group(1))
+
+
+def test_a_cancel_on_another_proxy_aborts_vllm(
+    responses: Responses,
+    fleet: Fleet,
+    pg_url: str,  # noqa: F811 (the fixture imported above)
+) -> None:
+    """Two proxies on one PostgreSQL: a background response started on one and cancelled on
+    the other stops within the runner's heartbeat, and vLLM aborts the generation."""
+    one = client(responses.proxy("responses-bg-1", KEY_A, store=pg_url))
+    two = client(responses.proxy("responses-bg-2", KEY_A, store=pg_url))
+    long = {**BASE, "max_output_tokens": 1600}  # a minute or more of the tiny model's thinking
+    queued = one.responses.create(input="Write.", background=True, **long)
+    until(lambda: generating(fleet.oracle_hermes) >= 1, timeout=30)
+    assert one.responses.retrieve(queued.id).status == "queued"
+    cancelled = two.responses.cancel(queued.id)
+    assert (cancelled.id, cancelled.status, cancelled.output) == (queued.id, "cancelled", [])
+    asked = time.monotonic()
+    # generating for nothing else now: the engine dropped the request (other tests' are short)
+    until(lambda: generating(fleet.oracle_hermes) == 0, timeout=10)
+    assert time.monotonic() - asked < 10
+    assert one.responses.retrieve(queued.id).status == "cancelled"  # not overwritten
+    with pytest.raises(openai.BadRequestError, match="synchronous"):
+        one.responses.cancel(queued.id)
+    # vLLM keeps a cancelled response's input: a follow-up of it goes on from there
+    follow = two.responses.create(
+        input="Go on.", previous_response_id=queued.id, **forced("ok [a-z]{2,9}")
+    )
+    assert follow.status == "completed" and follow.previous_response_id == queued.id

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from tests.proxy.store.conftest import PgServer
-from tokenline.proxy.store import Store, StoredResponse, StoreUnavailable, key_hash, open_store
+from tokenline.proxy.store import (
+    Store,
+    StoredResponse,
+    StoreUnavailable,
+    key_hash,
+    open_store,
+    schema,
+)
 from tokenline.proxy.store.schema import LATEST
 
 ALICE, BOB = key_hash("alice-key"), key_hash("bob-key")
@@ -93,6 +100,21 @@ def test_sqlite_schema_version_and_wal(tmp_path: Path) -> None:
     versions = db.execute("SELECT version FROM schema_version ORDER BY version").fetchall()
     assert versions == [(v,) for v in range(1, LATEST + 1)]  # each migration once
     assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+async def test_a_version_1_file_migrates_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "v1.db"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for statement in schema.MIGRATIONS[0]:
+        db.execute(statement)
+    db.execute("INSERT INTO schema_version VALUES (1)")
+    r = record()
+    db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)", schema.row(r)[:6])
+    db.commit()
+    db.close()
+    async with opened(str(path)) as store:
+        assert await store.get(ALICE, "resp_1") == r  # never expires, runs nowhere
 
 
 async def test_sqlite_unwritable_path_is_unavailable(tmp_path: Path) -> None:
