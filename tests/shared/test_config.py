@@ -209,8 +209,8 @@ FLAGS = {  # the names compose.yaml, the k8s manifest, launch/up.py and users al
     "derender": "--model --served-model-name --max-model-len --host --port --cpu-policy "
     "--workers --threads "
     "--enable-auto-tool-choice --tool-call-parser --reasoning-parser",
-    "proxy": "--render --derender --prefill --decode --models-file --store --host --port "
-    "--cpu-policy --generate-tokens-only "
+    "proxy": "--render --derender --prefill --decode --models-file --store --store-ttl "
+    "--host --port --cpu-policy --generate-tokens-only "
     "--api-key-file --open --generate-api-key-file "
     "--derender-transport --derender-batch-wait --prefill-first-token --no-prefill-first-token "
     "--routing --kv-events-offset --kv-events-ipc --prefix-hash-seed --skip-prefill-within "
@@ -299,6 +299,7 @@ PROXY_ENV = {
     "TOKENLINE_DECODE_URLS": "http://g",
     "TOKENLINE_MODELS_FILE": "",
     "TOKENLINE_STORE": "",
+    "TOKENLINE_STORE_TTL": "60",
     "TOKENLINE_PORT": "9000",
     "TOKENLINE_API_KEY": "k",
     "TOKENLINE_GENERATE_API_KEY": "g",
@@ -314,6 +315,7 @@ def test_proxy_environment() -> None:
     config = proxy.from_args(service_parser("proxy", PROXY_ENV).parse_args([]))
     assert config.render_urls == ("http://r1", "http://r2") and config.prefill_urls == ()
     assert (config.port, config.api_key, config.generate_api_key) == (9000, "k", "g")
+    assert config.store_ttl == 60
     argv = ["--render", "http://cli,http://cli2/", "--port", "1"]
     config = proxy.from_args(service_parser("proxy", PROXY_ENV).parse_args(argv))
     assert config.render_urls == ("http://cli", "http://cli2") and config.port == 1
