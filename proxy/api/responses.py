@@ -184,8 +184,9 @@ async def _start(
     items: list[InputItem],
 ) -> web.Response:
     """Write the `queued` row, start its task, and answer with it (vLLM's answer)."""
-    request.app[MODELS].target(client.model)  # an unknown model: vLLM's 404 now, not a failure
-    queued = _record(request, response_of(asked, rid, asked.model or "", [], "queued", None), items)
+    target = request.app[MODELS].target(client.model)  # unknown: vLLM's 404 now, not a failure
+    model = asked.model or next(iter(target.served.names()), "")
+    queued = _record(request, response_of(asked, rid, model, [], "queued", None), items)
     await request.app[RUNS].start(queued, _run(request, asked, queued, client, raw))
     return web.Response(body=queued.response, content_type="application/json")
 

@@ -374,6 +374,8 @@ def test_background_ends_as_the_foreground_answer(responses: Responses, case: st
     assert (done.created_at, done.background, fore.background) == (queued.created_at, True, False)
     with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
         ours.responses.cancel(queued.id)
+    unnamed = {k: v for k, v in CASES[case].items() if k != "model"}
+    assert ours.responses.create(**unnamed, background=True).model == "tiny-qwen3"
 
 
 def generating(engine: Server) -> float:

@@ -42,6 +42,8 @@ class Generate:
 
     def __init__(self) -> None:
         self.tokens, self.delay = 5, 0.0
+        self.refuse: str | None = None
+        """Answer every request with a 400 saying this."""
         self.started: list[str] = []
         self.cancelled_at: float | None = None
         self.app = web.Application(handler_args={"handler_cancellation": True})
@@ -58,6 +60,9 @@ class Generate:
         except asyncio.CancelledError:
             self.cancelled_at = time.monotonic()
             raise
+        if self.refuse is not None:
+            error = {"message": self.refuse, "type": "BadRequestError", "code": 400}
+            return web.json_response({"error": error}, status=400)
         ids = [10 + i for i in range(self.tokens)]
         choice = {"index": 0, "token_ids": ids, "finish_reason": "length"}
         return web.json_response({"request_id": "g", "choices": [choice]})
@@ -119,6 +124,7 @@ async def test_background_answers_queued_then_completes_as_the_foreground_does(
     proxies: Proxy, engine: tuple[Generate, str]
 ) -> None:
     one = await proxies()
+    engine[0].delay = 0.5
     made = await one.post("/v1/responses", json={**BODY, "background": True}, headers=ALICE)
     queued = await made.json()
     assert made.status == 200, queued
@@ -146,8 +152,8 @@ async def test_background_answers_queued_then_completes_as_the_foreground_does(
     assert not one.app[RUNS].tasks
 
 
-async def _is(proxy: TestClient[Any, Any], rid: str, wanted: str) -> bool:
-    got = await status(proxy, rid)
+async def _is(proxy: TestClient[Any, Any], rid: str, wanted: str, headers: Any = ALICE) -> bool:
+    got = await status(proxy, rid, headers)
     return isinstance(got, dict) and got["status"] == wanted
 
 
@@ -208,6 +214,18 @@ async def test_shutdown_fails_the_running_ones(
     got = await status(two, rid, {})
     assert got["status"] == "failed" and got["error"] == {"code": "server_error", "message": GONE}
     assert list(got)[:3] == ["id", "created_at", "error"]  # OpenAI's place for it
+
+
+async def test_an_engine_error_fails_the_response_saying_why(
+    proxies: Proxy, engine: tuple[Generate, str]
+) -> None:
+    one = await proxies()
+    engine[0].refuse = "the prompt is too long"
+    rid = (await (await one.post("/v1/responses", json={**BODY, "background": True})).json())["id"]
+    await until(lambda: _is(one, rid, "failed", {}))
+    got = await status(one, rid, {})
+    assert "the prompt is too long" in got["error"]["message"] and got["output"] == []
+    assert (await one.post(f"/v1/responses/{rid}/cancel")).status == 400
 
 
 async def test_a_row_whose_runner_died_reads_failed(proxies: Proxy, store: str) -> None:
