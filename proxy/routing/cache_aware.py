@@ -30,6 +30,7 @@ from tokenline.proxy.routing.cache_config import (
     parse_cache_config,
 )
 from tokenline.proxy.routing.choice import Candidate, Load, PrefixChooser, decayed
+from tokenline.proxy.routing.conversations import Conversations, Marker
 from tokenline.proxy.routing.kv_events import KvEventSubscriber
 from tokenline.proxy.routing.prefix import BlockHasher, LoraKey
 
@@ -47,11 +48,13 @@ LEARN_TIMEOUT = 3.0  # seconds a replica's /metrics may take
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt as routing sees it: its length and the keys of its full blocks."""
+    """A prompt as routing sees it: its length, the keys of its full blocks, and the marks
+    that tell which earlier prompt it continues (`conversations.Marker`)."""
 
     tokens: int
     keys: list[int]
     adapter: str | None = None
+    marks: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,12 @@ class PrefixRouting:
     counted."""
     subscribers: dict[str, KvEventSubscriber] = field(default_factory=dict)
     stats: RoutingStats = field(default_factory=RoutingStats)
+    marker: Marker = field(default_factory=Marker)
+    conversations: Conversations = field(init=False)
+    """Where each conversation's latest turn went (for `sent_ttl` seconds)."""
+
+    def __post_init__(self) -> None:
+        self.conversations = Conversations(ttl=self.sent_ttl)
 
     @property
     def ready(self) -> bool:
@@ -161,18 +170,23 @@ class PrefixRouting:
         if gen.model is not None and (path := self.adapters.get(gen.model)) is not None:
             lora = LoraKey(gen.model, path)
         keys = self.hasher.keys(gen.token_ids, cache_salt=gen.cache_salt, lora=lora)
-        return Prompt(len(gen.token_ids), keys, lora.name if lora else None)
+        marks = self.marker.marks(gen.token_ids)
+        return Prompt(len(gen.token_ids), keys, lora.name if lora else None, marks)
 
     def choose(self, workers: Sequence[Worker], prompt: Prompt) -> Pick:
         """The replica of `workers` (in turn order) that takes `prompt`; its blocks are
         counted as sent there."""
         assert self.chooser is not None
-        now, keys = self.now(), prompt.keys
+        now, keys, conversations = self.now(), prompt.keys, self.conversations
+        conversations.expire(now)
+        own = conversations.where(prompt.marks)  # its earlier turn's replica counts it once
         candidates = [
             Candidate(
                 Load(w.uncached, w.in_flight, self._recent(w.url, now)),
                 self.index(w.url).cached_prefix(keys, now),
                 self._cold(w.url, prompt.adapter, now),
+                conversations.live(w.url) - (w.url == own),
+                w.url == own,
             )
             for w in workers
         ]
@@ -196,7 +210,8 @@ class PrefixRouting:
             mark = "*" if k == i else "" if k in eligible else "x"
             rows.append(
                 f"{mark}{w.url} uncached={c.load.uncached_tokens} streams={c.load.streams} "
-                f"standing={chooser.standing(c.load):.0f} cached={c.cached_blocks} cost={cost:.0f}"
+                f"standing={chooser.standing(c.load):.0f} conversations={c.conversations} "
+                f"cached={c.cached_blocks} cost={cost:.0f}"
             )
         keys = ",".join(f"{k & 0xFFFF:04x}" for k in prompt.keys)
         log.debug(
@@ -235,6 +250,7 @@ class PrefixRouting:
         now = self.now()
         if prompt.adapter is not None:
             self.warm.setdefault(worker.url, {})[prompt.adapter] = now
+        self.conversations.turn(prompt.marks, worker.url, now)
         self.recent[worker.url] = (self._recent(worker.url, now) + prompt.tokens, now)
         uncached = self.chooser.uncached(prompt.tokens, cached)
         stats = self.stats
@@ -260,6 +276,7 @@ class PrefixRouting:
             index.clear()
         self.warm.pop(url, None)
         self.recent.pop(url, None)
+        self.conversations.forget(url)
 
     async def learn(
         self, client: Client, workers: Sequence[Worker], headers: dict[str, str]

@@ -15,22 +15,25 @@ replica that computes it again if the next turn goes back.
 
 One hard rule keeps affinity from piling work on a replica: only replicas whose standing after
 taking the prompt is at most `cap` (1.5) times the mean, or at most `slack` tokens above it
-(none by default), take part; the replica that alone holds more of the prompt than any other
-(a conversation's history, where its earlier turns ran) may stand above that by the tokens it
-alone holds (`own`), so a conversation is not moved off its history when its replica's turns
-happen to come first. If none takes part (the first prompts), those within half a prompt of
-the least standing do, so every prompt goes somewhere, and no replica's standing ever ends
-past the larger of `cap` times the mean and the mean plus `slack`, plus two prompts. Since the
+(none by default), take part; a conversation's home (where its latest turn went:
+`Candidate.home`), when it holds more of the prompt than any other replica (its history),
+takes part if its standing is within that before taking it, so a conversation is not moved
+off its history when its replica's turns happen to come first. If none takes part (the first
+prompts), those within half a prompt of the least standing do, so every prompt goes
+somewhere, and no replica's standing ever ends past the larger of `cap` times the mean and
+the mean plus `slack`, plus two prompts. Since the
 standing outlives the requests, the cap holds over the window, not only among requests in
 flight: one-shot requests that each find every replica idle would otherwise all go where their
 prefix is. A `slack` (as the SGLang gateway's absolute balance threshold) keeps a shared
 prefix in one place while the load is light, at that price.
 
-A prompt that no replica holds more of than the others (a new conversation behind a shared
-system prompt, a one-shot request behind a hot prefix) has no history to keep: it goes where
-its work after taking it plus the standing is least, so new conversations spread by what each
-replica took lately rather than by the moment's streams, and each replica gets its share of
-them before their histories grow. Equal choices go to the least standing, then take turns.
+A prompt with no history to keep there (a new conversation behind a shared system prompt, a
+second turn whose first filled no block past it, a one-shot request behind a hot prefix) goes
+where its work after taking it, plus the standing, plus a prompt like it for each
+conversation whose latest turn went there (`Candidate.conversations`: each will be back) is
+least: new conversations spread by how many each replica serves rather than by the moment's
+streams, each replica gets its share before their histories grow, and none is moved later.
+Equal choices go to the least standing, then take turns.
 
 A prompt for a LoRA adapter weighs a little more where the adapter has not run lately
 (`Candidate.cold`), so an adapter's requests gather on the replicas that run it, and spread
@@ -64,6 +67,11 @@ class Candidate(NamedTuple):
     cold: float = 0.0
     """Prefill tokens the prompt weighs as besides its own here: its LoRA adapter, where it
     has not run lately."""
+    conversations: int = 0
+    """Conversations whose latest turn went there lately (the prompt's own not counted):
+    each will be back with a prompt about this one's size."""
+    home: bool = False
+    """The prompt's conversation's latest turn went there (`conversations.Conversations`)."""
 
 
 def decayed(value: float, seconds: float, half_life: float) -> float:
@@ -118,29 +126,30 @@ class PrefixChooser:
         """Tokens of a prompt a replica holding `cached_blocks` of it computes."""
         return max(prompt_tokens - cached_blocks * self.block_size, 0)
 
-    def own(self, candidates: Sequence[Candidate]) -> list[int]:
-        """Per candidate, the prompt's tokens it alone holds: its cached blocks past the most
-        any other candidate holds (a conversation's history, where it was served)."""
+    @staticmethod
+    def alone(candidates: Sequence[Candidate]) -> int | None:
+        """The prompt's conversation's home, if it holds more blocks of the prompt than any
+        other candidate (its history: a new conversation has none, whatever system prompt
+        a replica may hold alone)."""
         cached = [c.cached_blocks for c in candidates]
-        if len(cached) < 2:
-            return [0] * len(cached)
-        first, second = sorted(cached, reverse=True)[:2]
-        return [(n - second) * self.block_size if n == first else 0 for n in cached]
+        most = max(cached, default=0)
+        if not most or cached.count(most) > 1:
+            return None
+        i = cached.index(most)
+        return i if candidates[i].home else None
 
     def eligible(self, candidates: Sequence[Candidate], prompt_tokens: int = 0) -> list[int]:
         """Indices of the candidates whose standing after taking the prompt is within `cap`
-        times the mean or `slack` above it, the tokens of the prompt that one alone holds
-        (`own`) added to its limit (if none is: those within half the prompt of the least
-        standing)."""
+        times the mean or `slack` above it, and of the one that `alone` holds the most of
+        the prompt if its standing is within that before taking it (if none is: those
+        within half the prompt of the least standing)."""
         standings = [self.standing(c.load) for c in candidates]
         added = prompt_tokens + self.stream_cost
         mean = (sum(standings) + added) / len(standings)
         limit = max(self.cap * mean, mean + self.slack)
-        owns = self.own(candidates)
+        alone = self.alone(candidates)
         within = [
-            i
-            for i, (s, o) in enumerate(zip(standings, owns, strict=True))
-            if s + added <= limit + o
+            i for i, s in enumerate(standings) if s + added <= limit or (i == alone and s <= limit)
         ]
         if within:
             return within
@@ -149,7 +158,7 @@ class PrefixChooser:
 
     def cost(self, candidate: Candidate, prompt_tokens: int) -> float:
         """A replica's work after taking the prompt: what the choice minimizes."""
-        load, cached, cold = candidate
+        load, cached, cold = candidate.load, candidate.cached_blocks, candidate.cold
         own = self.compute_cost * self.uncached(prompt_tokens, cached)
         return self.weight(load) + own + cold
 
@@ -158,7 +167,7 @@ class PrefixChooser:
         if not candidates:
             raise ValueError("no candidates")
         eligible = self.eligible(candidates, prompt_tokens)
-        settled = any(self.own(candidates)[i] for i in eligible)
+        settled = self.alone(candidates) in eligible
         best: list[int] = []
         least = (math.inf, math.inf)
         for i in eligible:
@@ -166,7 +175,11 @@ class PrefixChooser:
                 self.cost(candidates[i], prompt_tokens),
                 self.standing(candidates[i].load),
             )
-            key = (cost, standing) if settled else (cost + standing, standing)
+            if settled:
+                key = (cost, standing)
+            else:
+                ahead = candidates[i].conversations * prompt_tokens
+                key = (cost + standing + ahead, standing)
             if key < least:
                 best, least = [i], key
             elif key == least:

@@ -3,6 +3,7 @@ choices it makes (affinity, the load cap, replicas that leave and come back, ref
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -67,6 +68,37 @@ def test_a_conversation_stays_where_its_history_is() -> None:
                 assert pick.cached_blocks >= 3 + 2 * turn  # the whole history before this turn
     assert all(len(h) == 1 for h in homes.values())  # every turn of one conversation: one home
     assert pool.routing is not None and pool.routing.stats.hits >= 12
+
+
+def test_new_conversations_spread_evenly_though_their_first_turns_look_alike() -> None:
+    """Eight conversations behind a two-block system prompt, whose first turns fill no block
+    past it: to the block hashes they look alike until their second turns, which settle each
+    one's home, wherever its first turn went. Conversation 0's replica takes its turns first
+    (its standing grows first); still each replica ends with two conversations, and every
+    later turn stays with its history."""
+    config = EngineCacheConfig(block_size=64, hash_algo="sha256", prefix_caching=True)
+    urls = ("a", "b", "c", "d")
+    pool = Pool("decode", urls, policy="cache-aware")
+    routing = pool.routing = PrefixRouting("decode", now=lambda: 0.0)
+    routing._configure(config)
+    routing.engines = dict.fromkeys(urls, config)
+    system = list(range(5000, 5128))
+
+    def send(n: int, k: int) -> str:
+        """Turn `k` of conversation `n`: the history, 30 tokens asked and 48 answered a turn,
+        and 30 asked now."""
+        tokens = system + [n * 1000 + t for t in range(78 * k + 30)]
+        return pool.pick((), prompt_of(pool, tokens)).worker.url
+
+    for n in range(8):
+        send(n, 0)
+    homes = {0: send(0, 1)}
+    assert send(0, 2) == homes[0]  # it races ahead
+    homes |= {n: send(n, 1) for n in range(1, 8)}
+    assert sorted(Counter(homes.values()).values()) == [2, 2, 2, 2]
+    assert [routing.conversations.live(u) for u in urls] == [2, 2, 2, 2]
+    assert {n: send(n, 2) for n in range(1, 8)} == {n: homes[n] for n in range(1, 8)}
+    assert {n: send(n, 3) for n in range(8)} == homes
 
 
 def test_a_busy_replica_gives_up_its_affinity_past_the_cap() -> None:

@@ -51,13 +51,40 @@ def test_while_the_load_is_light_a_prefix_stays_where_it_is() -> None:
     relative rule alone would send it away, to compute the prefix again); past both the
     slack and 1.5x the mean, it gives it up."""
     chooser = PrefixChooser(16, slack=1000)
-    took_one = Load(0, 1, 800)  # 864 + 864 against max(1.5 * 864, 864 + 1000) (+ 160 its own)
-    assert chooser.choose([Candidate(took_one, 10), Candidate(IDLE, 0)], 800) == 0
-    took_four = Load(0, 4, 3200)  # 3456 + 864 against max(1.5 * 2160, 2160 + 1000) (+ 160)
-    assert chooser.choose([Candidate(took_four, 10), Candidate(IDLE, 0)], 800) == 1
+    took_one = Candidate(Load(0, 1, 800), 45)  # two took one: 864 + 864 each, against
+    pair = [took_one, took_one, Candidate(IDLE, 0)]  # max(1.5 * 864, 864 + 1000)
+    assert chooser.choose(pair, 800) in (0, 1)
+    took_four = Candidate(Load(0, 4, 3200), 45)  # 3456 + 864 against
+    assert chooser.choose([took_four, took_four, Candidate(IDLE, 0)], 800) == 2  # 2592 + 1000
     # the relative rule alone spreads at once
     strict = PrefixChooser(16, slack=0)
-    assert strict.choose([Candidate(took_one, 10), Candidate(IDLE, 0)], 800) == 1
+    assert strict.choose(pair, 800) == 2
+
+
+def test_the_replica_holding_a_conversation_takes_its_turn_while_within_the_cap() -> None:
+    """The replica that alone holds the most of a prompt (its conversation's history) takes
+    it if its standing is within the cap before taking it; past that, it goes elsewhere."""
+    chooser = PrefixChooser(128)
+    others = [Candidate(Load(0, 0, 1000), 2)] * 3
+    ahead = Candidate(Load(0, 0, 1700), 4, home=True)  # 1700 (2300 after) against 1.5 * 1325
+    assert chooser.choose([ahead, *others], 536) == 0
+    past = ahead._replace(load=Load(0, 0, 2300))  # 2300 against 1.5 * 1475
+    assert chooser.choose([past, *others], 536) != 0
+    # a replica holding a system prompt alone is no home to a new conversation
+    assert chooser.choose([ahead._replace(home=False), *others], 536) != 0
+
+
+def test_a_new_conversation_goes_where_fewer_will_come_back() -> None:
+    """A prompt no replica holds more of than another: its work after, the standing and the
+    conversations each replica serves (each worth a prompt like it) decide, not the moment's
+    streams. A conversation's next turn stays with its history whatever the counts."""
+    chooser = PrefixChooser(128)
+    two = Candidate(Load(0, 0, 1500), 2, conversations=2)  # one conversation ahead, 2 there
+    one = Candidate(Load(0, 1, 1800), 2, conversations=1)  # 1 there, streaming now
+    assert chooser.choose([two, one], 500) == 1
+    assert chooser.choose([two._replace(conversations=1), one], 500) == 0  # by standing
+    home = two._replace(cached_blocks=3)  # its history: it stays
+    assert chooser.choose([home, one], 500) == 0
 
 
 def test_streams_weigh_as_tokens() -> None:
@@ -138,36 +165,45 @@ LOADS = st.builds(Load, st.integers(0, 10_000), st.integers(0, 40), st.floats(0,
 
 
 @given(
-    st.lists(st.tuples(LOADS, st.integers(0, 200)), min_size=1, max_size=8),
+    st.lists(
+        st.tuples(LOADS, st.integers(0, 200), st.integers(0, 20), st.booleans()),
+        min_size=1,
+        max_size=8,
+    ),
     st.integers(1, 4000),
     st.sampled_from([0.0, 2048.0, 8192.0]),
 )
 def test_the_pick_is_within_the_cap_and_least_loaded_after(
-    state: list[tuple[Load, int]], prompt: int, slack: float
+    state: list[tuple[Load, int, int, bool]], prompt: int, slack: float
 ) -> None:
     chooser = PrefixChooser(16, slack=slack)
-    candidates = [Candidate(load, cached) for load, cached in state]
+    candidates = [Candidate(load, cached, 0.0, talks, home) for load, cached, talks, home in state]
     pick = chooser.choose(candidates, prompt)
     standings = [chooser.standing(c.load) for c in candidates]
     added = prompt + chooser.stream_cost
     after_standings = [s + added * (i == pick) for i, s in enumerate(standings)]
     cached = [c.cached_blocks for c in candidates]
-    own = [
-        max(n - max(cached[:i] + cached[i + 1 :], default=n), 0) * 16 for i, n in enumerate(cached)
+    alone = [
+        c.home and n > 0 and all(n > m for m in cached[:i] + cached[i + 1 :])
+        for i, (n, c) in enumerate(zip(cached, candidates, strict=True))
     ]
-    # within the cap after taking it (lifted by what of the prompt it alone holds), or
+    # within the cap after taking it (before, for the one holding the most of it alone), or
     # (none is) within half the prompt of the least
-    within = after_standings[pick] <= bound(chooser, after_standings) + own[pick] + 1e-6
+    limit = bound(chooser, after_standings) + 1e-6
+    within = after_standings[pick] <= limit or (alone[pick] and standings[pick] <= limit)
     assert within or standings[pick] <= min(standings) + prompt / 2
     after = [
         chooser.weight(c.load) + chooser.compute_cost * chooser.uncached(prompt, c.cached_blocks)
         for c in candidates
     ]
     eligible = chooser.eligible(candidates, prompt)
-    if any(own[i] for i in eligible):  # the prompt's own history: least work after
+    if any(alone[i] for i in eligible):  # the prompt's own history: least work after
         assert after[pick] == min(after[i] for i in eligible)
-    else:  # a new one: least work after and standing, together
-        key = [a + s for a, s in zip(after, standings, strict=True)]
+    else:  # a new one: least work after, standing and conversations (a prompt each)
+        key = [
+            a + s + c.conversations * prompt
+            for a, s, c in zip(after, standings, candidates, strict=True)
+        ]
         assert key[pick] == min(key[i] for i in eligible)
 
 
