@@ -17,6 +17,7 @@ from tokenline.shared.responses_chat import (
     chat_request,
     input_items,
     output_as_input,
+    restated,
     whole_response,
 )
 from tokenline.shared.responses_stream import ResponseEvents
@@ -121,7 +122,8 @@ def test_unknown_request_field_is_named() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"background": True, "stream": True}, "stream"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
         ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
@@ -290,3 +292,17 @@ def test_any_split_gives_the_same_response(
     assert [i["name"] for i in two["output"] if i["type"] == "function_call"] == [
         f"f{i}" for i in range(calls)
     ]
+
+
+def test_a_background_response_shows_it_and_restates_its_status() -> None:
+    response = whole_response(request(background=True), "resp_1", CHAT, counter())
+    assert response.background is True
+    failed = msgspec.json.decode(
+        restated(JSON.encode(response), "failed", {"code": "server_error", "message": "gone"})
+    )
+    assert failed["status"] == "failed" and failed["output"] == msgspec.to_builtins(response.output)
+    assert list(failed)[:3] == ["id", "created_at", "error"]  # OpenAI's place for it
+    assert failed["error"] == {"code": "server_error", "message": "gone"}
+    cancelled = msgspec.json.decode(restated(JSON.encode(response), "cancelled"))
+    assert "error" not in cancelled and cancelled["status"] == "cancelled"
+    assert list(cancelled) == list(msgspec.to_builtins(response))
