@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -285,10 +286,20 @@ def _client(url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
 
 
-def test_anthropic_client_whole_and_streamed(fleet: Fleet, hermes_pipeline: Pipeline) -> None:
+Clients = tuple[anthropic.Anthropic, anthropic.Anthropic]
+
+
+@pytest.fixture
+def clients(fleet: Fleet, hermes_pipeline: Pipeline) -> Iterator[Clients]:
+    """The official client on tokenline and on vLLM (closed after the test)."""
+    with _client(hermes_pipeline.proxy.url) as ours, _client(fleet.oracle_hermes.url) as theirs:
+        yield ours, theirs
+
+
+def test_anthropic_client_whole_and_streamed(clients: Clients) -> None:
     """The official client's `messages.create`, whole and streamed, with a tool and its
     result in the conversation: tokenline's answers equal vLLM's."""
-    ours, theirs = _client(hermes_pipeline.proxy.url), _client(fleet.oracle_hermes.url)
+    ours, theirs = clients
     kwargs: dict[str, Any] = {
         "model": MODEL,
         "max_tokens": 16,
@@ -322,3 +333,156 @@ def test_through_prefill_and_decode_equals_vllm(fleet: Fleet, pd_pipeline: Pipel
     answer = _both(pd_pipeline, fleet.oracle.url, body)
     assert answer["stop_reason"] == "max_tokens"
     assert engine_metric(fleet.decode, *KV_MOVED) > moved
+
+
+RAIN = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"rain": {"type": "boolean"}},
+        "required": ["rain"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+NO_INPUT = {
+    **RAIN,
+    "input_schema": {"type": "object", "properties": {}, "additionalProperties": False},
+}
+FINISHED_CALLS = {
+    "named": ("Rain?", RAIN, {"type": "tool", "name": "get_weather"}, {"rain": True}),
+    "any": ("Will it rain today?", NO_INPUT, {"type": "any"}, {}),
+    "any-single": (
+        "Rain?",
+        RAIN,
+        {"type": "any", "disable_parallel_tool_use": True},
+        {"rain": True},
+    ),
+}
+"""Prompt, tool, tool_choice and the input the random model's call closes with (greedy)."""
+
+
+def _finished_call(case: str) -> dict[str, Any]:
+    prompt, tool, choice, _ = FINISHED_CALLS[case]
+    return _request(
+        max_tokens=150,
+        messages=[{"role": "user", "content": prompt}],
+        tools=[tool],
+        tool_choice=choice,
+        **NO_THINKING,
+    )
+
+
+@pytest.mark.parametrize("case", list(FINISHED_CALLS))
+def test_finished_tool_call_equals_vllm(fleet: Fleet, hermes_pipeline: Pipeline, case: str) -> None:
+    """A forced call the grammar closes (arguments with finitely many values: a boolean, or
+    none), which the random model ends, after some whitespace, for these prompts: a tool_use
+    block with the parsed input and stop_reason tool_use, whole and streamed, as vLLM's.
+    Streamed, vLLM's input_json_delta pieces are the generated text, whitespace and all, and
+    tokenline's one delta is the whole answer's arguments (derender streams the non-streaming
+    answer): the joined deltas are compared as JSON, every other event exactly."""
+    body = _finished_call(case)
+    ours = _whole(hermes_pipeline.proxy.url, body)
+    answer = _normal(ours)
+    assert answer == _normal(_whole(fleet.oracle_hermes.url, body))
+    assert answer["stop_reason"] == "tool_use"
+    assert answer["content"] == [
+        {"type": "tool_use", "name": "get_weather", "input": FINISHED_CALLS[case][3]}
+    ]
+    assert answer["usage"]["output_tokens"] < body["max_tokens"]
+    events = _events(hermes_pipeline.proxy.url, body)
+    their_events = _events(fleet.oracle_hermes.url, body)
+    assert _parsed(_shape(events)) == _parsed(_shape(their_events))
+    assert _normal(_assembled(events)) == _normal(_assembled(their_events)) == answer
+
+
+def _parsed(shape: list[Any]) -> list[Any]:
+    """`shape` with each tool call's joined arguments parsed."""
+    for item in shape:
+        if item[0] == "content_block_delta" and item[2]["type"] == "input_json_delta":
+            item[2]["partial_json"] = json.loads(item[2]["partial_json"])
+    return shape
+
+
+def _streamed(client: anthropic.Anthropic, kwargs: dict[str, Any]) -> tuple[list[str], Any]:
+    """The kinds of a stream's events (the client's own among them: `input_json`), and the
+    message the client assembled."""
+    with client.messages.stream(**kwargs) as stream:
+        kinds = [_kind(event) for event in stream]
+        return kinds, stream.get_final_message()
+
+
+def _kind(event: Any) -> str:
+    if event.type == "content_block_start":
+        return f"content_block_start:{event.content_block.type}"
+    if event.type == "message_delta":
+        return f"message_delta:{event.delta.stop_reason}"
+    return str(event.type)
+
+
+def _runs(kinds: list[str]) -> list[str]:
+    """`kinds` with repeated delta pairs (raw event, client event) as one."""
+    out: list[str] = []
+    for kind in kinds:
+        if kind in ("content_block_delta", "input_json") and kind in out[-2:]:
+            continue
+        out.append(kind)
+    return out
+
+
+def _blocks(message: Any) -> list[dict[str, Any]]:
+    return [b.model_dump(exclude={"id", "parsed_output"}) for b in message.content]
+
+
+def test_anthropic_client_finished_tool_call_and_its_result(clients: Clients) -> None:
+    """The official client's `messages.create` with a forced tool, whole and streamed, then
+    the next turn with the call and its tool_result: tokenline's answers equal vLLM's, and the
+    client assembles the streamed call (from `input_json_delta`s) to the whole answer's."""
+    ours, theirs = clients
+    prompt, tool, choice, expected_input = FINISHED_CALLS["named"]
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 150,
+        "messages": [{"role": "user", "content": prompt}],
+        "tools": [tool],
+        "tool_choice": choice,
+        "thinking": {"type": "disabled"},
+        "extra_body": {"temperature": 0.0},
+    }
+    answer, expected = ours.messages.create(**kwargs), theirs.messages.create(**kwargs)
+    assert answer.stop_reason == expected.stop_reason == "tool_use"
+    assert _blocks(answer) == _blocks(expected)
+    [call] = answer.content
+    assert call.type == "tool_use"
+    assert (call.name, call.input) == ("get_weather", expected_input)
+    assert answer.usage == expected.usage
+    kinds, streamed = _streamed(ours, kwargs)
+    their_kinds, their_streamed = _streamed(theirs, kwargs)
+    assert kinds == [
+        "message_start",
+        "content_block_start:tool_use",
+        "content_block_delta",
+        "input_json",  # the client's own event for an input_json_delta
+        "content_block_stop",
+        "message_delta:tool_use",
+        "message_stop",
+    ]
+    assert _runs(their_kinds) == kinds
+    assert _blocks(streamed) == _blocks(their_streamed) == _blocks(answer)
+    assert streamed.stop_reason == their_streamed.stop_reason == "tool_use"
+    assert streamed.usage == their_streamed.usage
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "No rain."}
+    kwargs["messages"] += [
+        {"role": "assistant", "content": answer.content},
+        {"role": "user", "content": [result]},
+    ]
+    del kwargs["tool_choice"]
+    kwargs["max_tokens"] = 16
+    after, expected_after = ours.messages.create(**kwargs), theirs.messages.create(**kwargs)
+    assert after.content == expected_after.content
+    assert after.stop_reason == expected_after.stop_reason == "max_tokens"
+    assert after.usage == expected_after.usage
+    assert after.usage.input_tokens > answer.usage.input_tokens
+    _, streamed_after = _streamed(ours, kwargs)
+    assert _blocks(streamed_after) == _blocks(after)
