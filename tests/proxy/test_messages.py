@@ -27,6 +27,7 @@ from tokenline.launch.bench.http import post, post_raw
 MODEL = "tiny-qwen3"
 MSG_ID = re.compile(r"^chatcmpl-[0-9a-f]+")
 SIGNATURE = re.compile(r"^[0-9a-f]{32}$")
+CALL_ID = re.compile(r"^chatcmpl-tool-[0-9a-f]{16}$")
 WEATHER = {
     "name": "get_weather",
     "description": "Weather in a city",
@@ -81,7 +82,7 @@ def _normal(message: dict[str, Any]) -> dict[str, Any]:
         if block["type"] == "thinking":
             assert SIGNATURE.match(block.pop("signature"))
         if block["type"] == "tool_use":
-            assert block.pop("id")
+            assert CALL_ID.match(block.pop("id"))
     return out
 
 
@@ -111,7 +112,7 @@ def _shape(events: list[tuple[str, dict[str, Any]]]) -> list[Any]:
         elif kind == "content_block_start":
             block = dict(event["content_block"])
             if block["type"] == "tool_use":
-                assert block.pop("id")
+                assert CALL_ID.match(block.pop("id"))
             shape.append((kind, event["index"], block))
         else:
             shape.append((kind, {k: v for k, v in event.items() if k != "type"}))
@@ -456,6 +457,7 @@ def test_anthropic_client_finished_tool_call_and_its_result(clients: Clients) ->
     [call] = answer.content
     assert call.type == "tool_use"
     assert (call.name, call.input) == ("get_weather", expected_input)
+    assert CALL_ID.match(call.id)
     assert answer.usage == expected.usage
     kinds, streamed = _streamed(ours, kwargs)
     their_kinds, their_streamed = _streamed(theirs, kwargs)
