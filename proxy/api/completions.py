@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import msgspec
@@ -129,9 +129,27 @@ async def answer_whole(
 ) -> Any:
     """The whole answer to `client` (`raw` its JSON): render, generate (behind prefill), derender.
     The caller holds an admission slot (`ADMISSION`); failures raise `ServiceError`."""
+    return await (await rendered_whole(request, kind, client, raw, render, target))()
+
+
+async def rendered_whole(
+    request: web.Request,
+    kind: Kind,
+    client: ClientRequest,
+    raw: bytes,
+    render: RenderCall | None = None,
+    target: Target | None = None,
+) -> Callable[[], Awaitable[Any]]:
+    """Render `client` now, and return the rest of its whole answer (generate, derender) to run
+    later: a background response refuses what render refuses (a prompt too long, an unknown
+    model) before it is queued, as vLLM does."""
     hops, headers, rendered = await _rendered(request, kind, client, raw, render, target)
-    with _constraint_named(client):
-        return await whole(hops, kind, client, raw, rendered, headers)
+
+    async def rest() -> Any:
+        with _constraint_named(client):
+            return await whole(hops, kind, client, raw, rendered, headers)
+
+    return rest
 
 
 async def answer_stream(

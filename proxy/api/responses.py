@@ -13,7 +13,8 @@ stream: an `error` event instead of `response.completed`), never a silent loss. 
 the hash of the request's API key: another key's id is a 404, as if it did not exist; so is an
 expired one (`--store-ttl`).
 
-`background: true` answers at once with the `queued` Response, as vLLM does, and the proxy runs
+`background: true` is rendered first (render's refusals are the request's own 4xx, as in vLLM),
+then answers at once with the `queued` Response, as vLLM does, and the proxy runs
 the request as a task it owns (`proxy/store/runs.py`: heartbeats, cancels from any proxy sharing
 the store, failure on shutdown), writing the final Response unless the row was cancelled
 meanwhile. Cancelling the task closes the generate connection: the engine aborts.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -36,6 +37,7 @@ from tokenline.proxy.api.completions import (
     EventStream,
     answer_stream,
     answer_whole,
+    rendered_whole,
 )
 from tokenline.proxy.flow.requests import ClientRequest
 from tokenline.proxy.store import Store, StoredResponse, key_hash, open_store
@@ -183,11 +185,15 @@ async def _start(
     raw: bytes,
     items: list[InputItem],
 ) -> web.Response:
-    """Write the `queued` row, start its task, and answer with it (vLLM's answer)."""
-    target = request.app[MODELS].target(client.model)  # unknown: vLLM's 404 now, not a failure
+    """Render, write the `queued` row, start its task, and answer with the row (vLLM's answer).
+    What render refuses (an unknown model, a prompt too long) is this request's 4xx now, as
+    vLLM's, never a background response that fails."""
+    target = request.app[MODELS].target(client.model)
+    async with request.app[ADMISSION].slot(client.priority):
+        rest = await rendered_whole(request, CHAT, client, raw, target=target)
     model = asked.model or next(iter(target.served.names()), "")
     queued = _record(request, response_of(asked, rid, model, [], "queued", None), items)
-    await request.app[RUNS].start(queued, _run(request, asked, queued, client, raw))
+    await request.app[RUNS].start(queued, _run(request, asked, queued, client, rest))
     return web.Response(body=queued.response, content_type="application/json")
 
 
@@ -196,13 +202,14 @@ async def _run(
     asked: ResponsesRequest,
     queued: StoredResponse,
     client: ClientRequest,
-    raw: bytes,
+    rest: Callable[[], Awaitable[Any]],
 ) -> None:
-    """A background response's task: the answer, or why not, written over its queued row."""
+    """A background response's task: the rendered request's answer (`rest`), or why not,
+    written over its queued row."""
     runs = request.app[RUNS]
     try:
         async with request.app[ADMISSION].slot(client.priority):
-            chat = msgspec.to_builtins(await answer_whole(request, CHAT, client, raw))
+            chat = msgspec.to_builtins(await rest())
     except asyncio.CancelledError:
         await runs.finish(failed(queued, GONE))  # a no-op after a cancel: that row stays
         raise

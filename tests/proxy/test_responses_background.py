@@ -228,6 +228,19 @@ async def test_an_engine_error_fails_the_response_saying_why(
     assert (await one.post(f"/v1/responses/{rid}/cancel")).status == 400
 
 
+async def test_what_render_refuses_is_the_requests_400_before_any_queueing(
+    proxies: Proxy, engine: tuple[Generate, str]
+) -> None:
+    """As vLLM renders before it queues: a prompt longer than the model is a 400 at create,
+    no row is written and no task starts."""
+    one = await proxies()
+    long = {**BODY, "input": "hi " * 4000, "background": True}
+    made = await one.post("/v1/responses", json=long, headers=ALICE)
+    error = (await made.json())["error"]
+    assert made.status == 400 and "2048" in error["message"], error
+    assert engine[0].started == [] and not one.app[RUNS].tasks
+
+
 async def test_a_row_whose_runner_died_reads_failed(proxies: Proxy, store: str) -> None:
     one = await proxies()
     queued = b'{"id":"resp_dead","created_at":1,"output":[],"status":"queued"}'
