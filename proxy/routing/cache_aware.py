@@ -179,13 +179,15 @@ class PrefixRouting:
         assert self.chooser is not None
         now, keys, conversations = self.now(), prompt.keys, self.conversations
         conversations.expire(now)
-        own = conversations.where(prompt.marks)  # its earlier turn's replica counts it once
+        earlier = conversations.latest(prompt.marks)
+        own = earlier.url if earlier is not None else None
+        counted = own if earlier is not None and earlier.turns > 1 else None  # not twice
         candidates = [
             Candidate(
                 Load(w.uncached, w.in_flight, self._recent(w.url, now)),
                 self.index(w.url).cached_prefix(keys, now),
                 self._cold(w.url, prompt.adapter, now),
-                conversations.live(w.url) - (w.url == own),
+                conversations.live(w.url) - (w.url == counted),
                 w.url == own,
             )
             for w in workers

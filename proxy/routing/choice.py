@@ -68,8 +68,8 @@ class Candidate(NamedTuple):
     """Prefill tokens the prompt weighs as besides its own here: its LoRA adapter, where it
     has not run lately."""
     conversations: int = 0
-    """Conversations whose latest turn went there lately (the prompt's own not counted):
-    each will be back with a prompt about this one's size."""
+    """Conversations that came back whose latest turn went there lately (the prompt's own
+    not counted): each will be back with a prompt about this one's size."""
     home: bool = False
     """The prompt's conversation's latest turn went there (`conversations.Conversations`)."""
 

@@ -7,6 +7,9 @@ its tokens weighted by position, mod 2**64: one numpy pass); a prompt whose mark
 earlier prompt's last mark continues it, as the same conversation's next turn. vLLM's block
 hashes cannot tell this where a turn fills no block past a shared system prompt (blocks are
 128 tokens on CPU): such conversations look alike to them until their second turn.
+
+A conversation counts once it has come back (a second turn): a one-shot request, or a
+client's warm-up, would otherwise count as one that never returns.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,9 +53,17 @@ def _weights(n: int) -> np.ndarray:
     return rng.integers(0, 1 << 63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
+class Turn(NamedTuple):
+    """A conversation's latest turn: where it went, when, and how many turns it has had."""
+
+    url: str
+    when: float
+    turns: int
+
+
 class Conversations:
-    """The replica of each conversation's latest turn, for `ttl` seconds after it (at most
-    `capacity` conversations, the oldest dropped first): `live(url)` counts them."""
+    """The latest turn of each conversation, for `ttl` seconds after it (at most `capacity`
+    conversations, the oldest dropped first): `live(url)` counts those that came back."""
 
     __slots__ = ("_live", "_tips", "capacity", "ttl")
 
@@ -60,8 +72,8 @@ class Conversations:
             raise ValueError("ttl and capacity must not be negative")
         self.ttl = ttl
         self.capacity = capacity
-        self._tips: OrderedDict[int, tuple[str, float]] = OrderedDict()
-        """A conversation's latest mark -> where that turn went and when (oldest first)."""
+        self._tips: OrderedDict[int, Turn] = OrderedDict()
+        """A conversation's latest mark -> its latest turn (oldest first)."""
         self._live: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -76,27 +88,32 @@ class Conversations:
                 return mark
         return None
 
+    def latest(self, marks: Sequence[int]) -> Turn | None:
+        """The turn a prompt with `marks` continues (None: a new conversation)."""
+        tip = self.continued(marks)
+        return None if tip is None else self._tips[tip]
+
     def where(self, marks: Sequence[int]) -> str | None:
         """The replica of the turn a prompt with `marks` continues (None: a new one)."""
-        tip = self.continued(marks)
-        return None if tip is None else self._tips[tip][0]
+        turn = self.latest(marks)
+        return None if turn is None else turn.url
 
     def live(self, url: str) -> int:
-        """Conversations whose latest turn went to `url`."""
+        """Conversations that came back whose latest turn went to `url`."""
         return self._live.get(url, 0)
 
     def turn(self, marks: Sequence[int], url: str, now: float) -> None:
-        """A prompt with `marks` went to `url` at `now`: its conversation's latest turn."""
+        """A prompt with `marks` went to `url` at `now`: its conversation's latest turn (the
+        same prompt again, as a retry, is no new turn)."""
         earlier = self.continued(marks)
+        turns = 1
         if earlier is not None:
-            self._drop(earlier)
+            turns = self._drop(earlier) + (earlier != marks[-1])
         if not marks:
             return
-        tip = marks[-1]
-        if tip in self._tips:
-            self._drop(tip)
-        self._tips[tip] = (url, now)
-        self._live[url] = self._live.get(url, 0) + 1
+        self._tips[marks[-1]] = Turn(url, now, turns)
+        if turns > 1:
+            self._live[url] = self._live.get(url, 0) + 1
         while len(self._tips) > self.capacity:
             self._drop(next(iter(self._tips)))
 
@@ -104,20 +121,23 @@ class Conversations:
         """Drop conversations with no turn for `ttl` seconds (oldest first)."""
         tips, oldest = self._tips, now - self.ttl
         while tips:
-            tip, (_, when) = next(iter(tips.items()))
-            if when >= oldest:
+            tip, turn = next(iter(tips.items()))
+            if turn.when >= oldest:
                 return
             self._drop(tip)
 
     def forget(self, url: str) -> None:
         """`url` left the rotation: its conversations start over wherever they go next."""
-        for tip in [t for t, (u, _) in self._tips.items() if u == url]:
+        for tip in [t for t, turn in self._tips.items() if turn.url == url]:
             self._drop(tip)
 
-    def _drop(self, tip: int) -> None:
-        url, _ = self._tips.pop(tip)
-        left = self._live[url] - 1
-        if left:
-            self._live[url] = left
-        else:
-            del self._live[url]
+    def _drop(self, tip: int) -> int:
+        """Forget the conversation whose latest mark is `tip`; its turns so far."""
+        url, _, turns = self._tips.pop(tip)
+        if turns > 1:
+            left = self._live[url] - 1
+            if left:
+                self._live[url] = left
+            else:
+                del self._live[url]
+        return turns

@@ -46,23 +46,33 @@ def test_long_prompts_get_marks_past_the_first_weights() -> None:
     assert marker.marks(tokens[:4096]) == marks[: 4096 // EVERY]
 
 
-def test_a_conversation_counts_where_its_latest_turn_went() -> None:
+def test_a_conversation_counts_where_its_latest_turn_went_once_it_came_back() -> None:
     marker, seen = Marker(), Conversations()
     one, two = turns(1), turns(2)
     seen.turn(marker.marks(one[0]), "a", now=0)
     seen.turn(marker.marks(two[0]), "a", now=0)
-    assert (seen.live("a"), seen.live("b"), len(seen)) == (2, 0, 2)
+    assert (seen.live("a"), len(seen)) == (0, 2)  # first turns: perhaps one-shot requests
     assert seen.where(marker.marks(one[1])) == "a"
-    seen.turn(marker.marks(one[1]), "b", now=1)  # its second turn moved
-    assert (seen.live("a"), seen.live("b"), len(seen)) == (1, 1, 2)
-    assert seen.where(marker.marks(one[2])) == "b"
+    seen.turn(marker.marks(one[1]), "b", now=1)  # its second turn went elsewhere
+    assert (seen.live("a"), seen.live("b"), len(seen)) == (0, 1, 2)
+    seen.turn(marker.marks(one[1]), "b", now=1)  # the same prompt again: no new turn
+    turn = seen.latest(marker.marks(one[2]))
+    assert turn is not None and (turn.url, turn.turns) == ("b", 2)
+    seen.turn(marker.marks(one[2]), "a", now=2)
+    seen.turn(marker.marks(two[1]), "a", now=2)
+    assert (seen.live("a"), seen.live("b"), len(seen)) == (2, 0, 2)
     assert seen.where(marker.marks(turns(3)[0])) is None  # a new one
+
+
+def came_back(seen: Conversations, marker: Marker, n: int, url: str, now: float) -> None:
+    for prompt in turns(n, 2):
+        seen.turn(marker.marks(prompt), url, now)
 
 
 def test_conversations_without_a_turn_for_the_ttl_leave() -> None:
     marker, seen = Marker(), Conversations(ttl=10)
-    seen.turn(marker.marks(turns(1)[0]), "a", now=0)
-    seen.turn(marker.marks(turns(2)[0]), "a", now=5)
+    came_back(seen, marker, 1, "a", now=0)
+    came_back(seen, marker, 2, "a", now=5)
     seen.expire(now=12)
     assert (seen.live("a"), len(seen)) == (1, 1)
     seen.expire(now=16)
@@ -72,7 +82,7 @@ def test_conversations_without_a_turn_for_the_ttl_leave() -> None:
 def test_capacity_drops_the_oldest_and_forget_drops_a_replica() -> None:
     marker, seen = Marker(), Conversations(capacity=2)
     for n, url in enumerate(("a", "b", "b")):
-        seen.turn(marker.marks(turns(n)[0]), url, now=n)
+        came_back(seen, marker, n, url, now=n)
     assert (seen.live("a"), seen.live("b")) == (0, 2)
     seen.forget("b")
     assert (seen.live("b"), len(seen)) == (0, 0)
