@@ -241,6 +241,28 @@ async def test_what_render_refuses_is_the_requests_400_before_any_queueing(
     assert engine[0].started == [] and not one.app[RUNS].tasks
 
 
+async def test_a_store_that_is_down_is_a_503_and_nothing_runs(
+    tiers: Tiers, engine: tuple[Generate, str], tmp_path: Path
+) -> None:
+    """The queued row cannot be written: the client hears so, and the request never runs."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    config = ProxyConfig(
+        render_urls=(tiers.render,),
+        derender_urls=(tiers.derender,),
+        decode_urls=(engine[1],),
+        open=True,
+        store=str(blocker / "responses.db"),  # under a file: cannot be made
+        health_interval=60.0,
+    )
+    async with TestClient(TestServer(make_app(config))) as proxy:
+        made = await proxy.post("/v1/responses", json={**BODY, "background": True})
+        assert made.status == 503
+        assert "response store" in (await made.json())["error"]["message"]
+        await asyncio.sleep(0.2)
+        assert engine[0].started == [] and not proxy.app[RUNS].tasks
+
+
 async def test_a_row_whose_runner_died_reads_failed(proxies: Proxy, store: str) -> None:
     one = await proxies()
     queued = b'{"id":"resp_dead","created_at":1,"output":[],"status":"queued"}'
