@@ -68,10 +68,10 @@ class Store(Protocol):
         """Whether there was such a record (now gone)."""
         ...
 
-    async def finish(self, record: StoredResponse) -> bool:
+    async def finish(self, record: StoredResponse, stale_before: int | None = None) -> bool:
         """Write a background response's final state (its status, its response; no runner),
-        only if its row is still running (`RUNNING`): whether it was. A cancel that came
-        first stays."""
+        only if its row is still running (`RUNNING`), and with `stale_before` only if its
+        heartbeat is still older than that: whether it was. A cancel that came first stays."""
         ...
 
     async def cancel(self, owner: str, response_id: str, response: bytes) -> bool:
@@ -79,9 +79,10 @@ class Store(Protocol):
         was running. Its runner notices at its next `beat`."""
         ...
 
-    async def beat(self, runner: str) -> set[tuple[str, str]]:
-        """Stamp the heartbeat of `runner`'s rows still running (and not expired): their owners
-        and ids. A task of `runner`'s not among them was cancelled, deleted or failed."""
+    async def beat(self, runner: str, since: int) -> set[tuple[str, str]]:
+        """Stamp the heartbeat of `runner`'s rows still running, not expired, and stamped at or
+        after `since` (older: stale, read as failed, and so left dead): their owners and ids.
+        A task of `runner`'s not among them was cancelled, deleted or failed."""
         ...
 
     async def stale(self, before: int) -> list[StoredResponse]:

@@ -31,10 +31,14 @@ CANCEL = (
     "UPDATE responses SET status = 'cancelled', response = %s "
     f"WHERE key_hash = %s AND id = %s AND {RUNS} AND {LIVE}"
 )
+STILL_STALE = " AND heartbeat_at < %s"
+"""A sweep's `FINISH` of a row read as stale: not over a heartbeat stamped since the read."""
 BEAT = (
     f"UPDATE responses SET heartbeat_at = %s WHERE runner = %s AND {RUNS} AND {LIVE} "
-    "RETURNING key_hash, id"
+    "AND heartbeat_at >= %s RETURNING key_hash, id"
 )
+"""A row gone stale stays dead (others read it as failed): its runner's next beat does not
+revive it, and so does not return it: the runner stops that task."""
 STALE = f"SELECT {COLUMNS} FROM responses WHERE {RUNS} AND heartbeat_at < %s AND {LIVE}"
 PURGE = "DELETE FROM responses WHERE expires_at <= %s"
 
@@ -63,17 +67,19 @@ class SqlStore:
     async def delete(self, owner: str, response_id: str) -> bool:
         return await self._count(DELETE, (owner, response_id, now())) > 0
 
-    async def finish(self, record: StoredResponse) -> bool:
+    async def finish(self, record: StoredResponse, stale_before: int | None = None) -> bool:
         params = (record.status, record.response.decode(), record.key_hash, record.id)
-        return await self._count(FINISH, params) > 0
+        if stale_before is None:
+            return await self._count(FINISH, params) > 0
+        return await self._count(FINISH + STILL_STALE, (*params, stale_before)) > 0
 
     async def cancel(self, owner: str, response_id: str, response: bytes) -> bool:
         params = (response.decode(), owner, response_id, now())
         return await self._count(CANCEL, params) > 0
 
-    async def beat(self, runner: str) -> set[tuple[str, str]]:
+    async def beat(self, runner: str, since: int) -> set[tuple[str, str]]:
         t = now()
-        return {(owner, rid) for owner, rid in await self._rows(BEAT, (t, runner, t))}
+        return {(owner, rid) for owner, rid in await self._rows(BEAT, (t, runner, t, since))}
 
     async def stale(self, before: int) -> list[StoredResponse]:
         rows = await self._rows(STALE, (before, now()))

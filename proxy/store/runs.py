@@ -47,6 +47,8 @@ class Runs:
         self.poll_s, self.stale_s, self.purge_s = poll_s, stale_s, purge_s
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tasks: dict[Key, asyncio.Task[None]] = {}
+        self._starting: set[Key] = set()
+        """Rows being written whose task is not made yet: not orphans."""
         self._purged = -purge_s
 
     def expires(self, created_at: int) -> int | None:
@@ -54,15 +56,22 @@ class Runs:
 
     async def start(self, record: StoredResponse, work: Coroutine[Any, Any, None]) -> None:
         """Write `record` (queued) as this proxy's, then run `work` as its task."""
-        now = int(time.time())
+        now, key = int(time.time()), (record.key_hash, record.id)
+        self._starting.add(key)
         try:
             await self.store.put(replace(record, runner=self.name, heartbeat_at=now))
-        except BaseException:
+        except BaseException:  # a row written all the same (the client left) is an orphan
             work.close()
             raise
-        key = (record.key_hash, record.id)
+        finally:
+            self._starting.discard(key)
         self.tasks[key] = task = asyncio.create_task(work, name=f"background {record.id}")
-        task.add_done_callback(lambda _: self.tasks.pop(key, None))
+        task.add_done_callback(lambda done: self._ended(key, done))
+
+    def _ended(self, key: Key, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(key, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background.crashed id=%s", key[1], exc_info=exc)
 
     async def finish(self, record: StoredResponse) -> None:
         """A task's last write (conditional: not over a cancel); a store that fails is logged,
@@ -96,20 +105,32 @@ class Runs:
                 await self.tick()
             except StoreUnavailable as exc:
                 log.warning("background.upkeep %s", exc.message)
+            except Exception:  # the heartbeats must go on: others would fail these rows
+                log.exception("background.upkeep")
 
     async def tick(self) -> None:
         if known := set(self.tasks):  # before the query: a task started meanwhile is not in it
-            running = await self.store.beat(self.name)
+            running = await self.store.beat(self.name, int(time.time() - self.stale_s))
             for key in known - running:  # cancelled, deleted, expired or failed elsewhere
                 if (task := self.tasks.get(key)) is not None:
                     log.info("background.stopped id=%s", key[1])
                     task.cancel()
+            await self._fail_orphans(running - set(self.tasks) - self._starting)
         if time.monotonic() - self._purged >= self.purge_s:
             self._purged = time.monotonic()
-            for record in await self.store.stale(int(time.time() - self.stale_s)):
-                await self.store.finish(failed(record, GONE))
+            before = int(time.time() - self.stale_s)
+            for record in await self.store.stale(before):
+                await self.store.finish(failed(record, GONE), stale_before=before)
             if purged := await self.store.purge():
                 log.info("store.purged count=%d", purged)
+
+    async def _fail_orphans(self, keys: set[Key]) -> None:
+        """Rows of this proxy's that no task runs (its final write failed, or the client left
+        while the row was written): failed now, rather than kept alive by the beat."""
+        for owner, rid in keys:
+            if (record := await self.store.get(owner, rid)) is not None:
+                log.warning("background.orphan id=%s", rid)
+                await self.store.finish(failed(record, GONE))
 
     async def close(self) -> None:
         """Cancel every task; each writes its row failed (`GONE`) unless it was cancelled."""

@@ -193,12 +193,29 @@ async def test_beat_names_the_runners_rows_still_running(store_url: str) -> None
         await one.put(running("resp_x", runner="proxy-b", beat=old))
         await two.cancel(ALICE, "resp_b", b"{}")
         await two.delete(ALICE, "resp_c")
-        assert await one.beat("proxy-a") == {(ALICE, "resp_a")}
+        assert await one.beat("proxy-a", old) == {(ALICE, "resp_a")}
         got = await two.get(ALICE, "resp_a")
         assert got is not None and got.heartbeat_at is not None and got.heartbeat_at > old
         # only proxy-b's row kept its old heartbeat: stale
         stale = await two.stale(int(time.time()) - 30)
         assert [r.id for r in stale] == ["resp_x"]
+
+
+async def test_a_stale_row_stays_dead(store_url: str) -> None:
+    """Read as failed once stale, a row is not revived by its runner's late beat, and a sweep
+    that read it stale does not fail it if a beat came in between."""
+    now = int(time.time())
+    async with opened(store_url) as one, opened(store_url) as two:
+        await one.put(running("resp_late", beat=now - 100))
+        assert await one.beat("proxy-a", now - 30) == set()
+        got = await two.get(ALICE, "resp_late")
+        assert got is not None and got.heartbeat_at == now - 100
+        await one.put(running("resp_back", runner="proxy-b", beat=now - 100))
+        [seen] = [r for r in await two.stale(now - 30) if r.id == "resp_back"]
+        assert await one.beat("proxy-b", now - 200) == {(ALICE, "resp_back")}
+        failed = replace(seen, status="failed", response=b'{"status":"failed"}')
+        assert await two.finish(failed, stale_before=now - 30) is False
+        assert await two.finish(failed, stale_before=now + 30) is True
 
 
 async def test_expired_rows_are_not_found_then_purged(store_url: str) -> None:
