@@ -47,16 +47,15 @@ def _derender(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _proxy(args: argparse.Namespace, extra: list[str]) -> int:
     import asyncio
-    import logging
 
     from tokenline.proxy.app import serve
     from tokenline.proxy.config import from_args
     from tokenline.shared.cpu import set_cpu_policy
-    from tokenline.shared.http import new_loop
+    from tokenline.shared.http import configure_logging, new_loop
 
     config = from_args(args)
     set_cpu_policy(config.cpu_policy)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     with asyncio.Runner(loop_factory=new_loop) as runner:
         runner.run(serve(config))  # its own signal handling: SIGTERM drains (proxy/app.py)
     return 0

@@ -9,6 +9,7 @@ import asyncio
 import gc
 import logging
 import multiprocessing
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -97,7 +98,7 @@ async def freeze_heap(app: web.Application) -> None:
 def run(app: web.Application, host: str, port: int, reuse_port: bool = False) -> None:
     """Serve `app`; handler_cancellation makes a client disconnect cancel its handler, which is
     how aborts propagate upstream (aiohttp's default is off)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging()
     web.run_app(
         frozen_once_started(app),
         host=host,
@@ -108,6 +109,15 @@ def run(app: web.Application, host: str, port: int, reuse_port: bool = False) ->
         reuse_port=reuse_port or None,
         loop=new_loop(),
     )
+
+
+def configure_logging() -> None:
+    """Every service's log: `TOKENLINE_LOG_LEVEL` (INFO unless set; DEBUG adds, among others,
+    the proxy's every routing decision). A level logging does not know stops the service."""
+    level = os.environ.get("TOKENLINE_LOG_LEVEL", "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise SystemExit(f"TOKENLINE_LOG_LEVEL={level!r}: not a log level (DEBUG, INFO, ...)")
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
 
 
 def new_loop() -> asyncio.AbstractEventLoop:

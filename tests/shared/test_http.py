@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tokenline.shared.http import frozen_once_started, make_base_app, read_json_body
+from tokenline.shared.http import (
+    configure_logging,
+    frozen_once_started,
+    make_base_app,
+    read_json_body,
+)
 
 
 @pytest.fixture
@@ -72,3 +77,11 @@ async def test_a_started_service_freezes_what_it_holds(aiohttp_client: Any) -> N
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_an_unknown_log_level_stops_the_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENLINE_LOG_LEVEL", "chatty")
+    with pytest.raises(SystemExit, match="TOKENLINE_LOG_LEVEL='CHATTY': not a log level"):
+        configure_logging()
+    monkeypatch.setenv("TOKENLINE_LOG_LEVEL", "debug")
+    configure_logging()  # known, in any case
