@@ -59,6 +59,7 @@ def settings_for(config: RenderConfig, tok: ModelTokenizer) -> RenderSettings:
         bounds=config.bounds(),
         tools=ToolFlags(config.enable_auto_tool_choice, config.tool_call_parser),
         reasoning_parser=config.reasoning_parser,
+        system_first=messages.system_first(tok.chat_template),
     )
 
 

@@ -67,6 +67,9 @@ class RenderSettings:
     bounds: Bounds = field(default_factory=Bounds)
     tools: ToolFlags = field(default_factory=ToolFlags)
     reasoning_parser: str | None = None
+    system_first: bool = False
+    """The chat template refuses system messages after the first (`messages.system_first`):
+    a Messages request's inline system messages join the leading system prompt."""
 
 
 # Request IDs need uniqueness, not secrecy (vLLM's own are uuid4s, never checked for either).

@@ -5,6 +5,7 @@ system messages after the first gets them merged into the leading one, as vLLM m
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from tests.conftest import Fleet
 from tokenline.launch.bench.http import post
 from tokenline.services.render.app import make_app
 from tokenline.services.render.config import RenderConfig
+from tokenline.services.render.messages import system_first
 from tokenline.shared.tokenizer import ModelTokenizer
 
 ROUTE = "/v1/messages/render"
@@ -133,3 +135,32 @@ async def test_inline_system_joins_the_first_when_the_template_wants_it(
     chat = {"model": "tiny-qwen3", "messages": [{"role": "system", "content": "A"}, *messages]}
     resp = await client.post("/v1/chat/completions/render", json=chat)
     assert resp.status == 400  # chat itself is not merged: the template's refusal stands
+
+
+def test_system_first_is_decided_once_per_template_as_vllm_probes_it(
+    qwen3_tok: ModelTokenizer,
+) -> None:
+    """A template that refuses a system message after a user one (here through transformers'
+    `raise_exception`, which vLLM's bare probe does not define either), or no template, wants
+    the system prompt first; Qwen3's renders inline system messages where they are."""
+    assert system_first(SYSTEM_FIRST) is True
+    assert system_first(None) is True
+    assert system_first(qwen3_tok.chat_template) is False
+    assert system_first(PLAIN) is False
+    assert system_first("{{ strftime_now('%Y') }}" + PLAIN) is True  # a helper vLLM lacks too
+
+
+PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.slow  # imports vLLM
+def test_system_first_decides_as_vllm(qwen3_tok: ModelTokenizer, tiny_tok: ModelTokenizer) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # importing vLLM (torch) warns about their deprecations
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    templates = [SYSTEM_FIRST, None, PLAIN, qwen3_tok.chat_template, tiny_tok.chat_template]
+    templates.append("{{ strftime_now('%Y') }}" + PLAIN)
+    theirs = [AnthropicServingMessages._detect_merge_inline_system(t) for t in templates]
+    assert [system_first(t) for t in templates] == theirs
+    assert True in theirs and False in theirs
