@@ -355,7 +355,7 @@ def make_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     add_adapter_routes(app, open_=config.api_key is None)
     add_utility_routes(app)
-    add_responses_routes(app, config.store, config.store_ttl or None)
+    add_responses_routes(app, config.store, config.store_ttl or None, drain.held)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics.handle)
     return app

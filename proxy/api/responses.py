@@ -23,8 +23,10 @@ meanwhile. Cancelling the task closes the generate connection: the engine aborts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -73,13 +75,20 @@ STORE = web.AppKey("response_store", Store)
 RUNS = web.AppKey("response_runs", Runs)
 
 
-def add_responses_routes(app: web.Application, store_url: str, ttl_s: int | None) -> None:
+def add_responses_routes(
+    app: web.Application,
+    store_url: str,
+    ttl_s: int | None,
+    held: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+) -> None:
     """The routes, the store they share (opened with the app, closed after it) and the
-    background responses this proxy runs (`ttl_s`: how long records are kept; None: always)."""
+    background responses this proxy runs (`ttl_s`: how long records are kept; None: always;
+    `held`: what keeps a running one in flight, so that a draining proxy waits for it as it
+    waits for requests)."""
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         store = open_store(store_url)
-        app[STORE], app[RUNS] = store, Runs(store, ttl_s)
+        app[STORE], app[RUNS] = store, Runs(store, ttl_s, held=held)
         if not store.url.startswith("sqlite:"):  # a SQLite file is made on first use only
             try:
                 await store.open()

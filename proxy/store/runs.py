@@ -5,7 +5,8 @@ The proxy that accepts a background request owns its task, and its row names tha
 and cancels the task of any row no longer running: a cancel (or delete) that reached any proxy
 sharing the store changed the row, and the runner then cancels the task (cancellation closes the
 generate connection, which is the engine's abort). The final write is conditional
-(`Store.finish`): a cancel that came first stays. Closing the proxy cancels its tasks, each
+(`Store.finish`): a cancel that came first stays. A draining proxy waits for its tasks as for
+requests in flight (`held`), up to its drain timeout; closing it cancels those left, each
 writing its row failed; a row whose runner died without doing so (no heartbeat for `stale_s`)
 reads as failed, and the upkeep marks it so. The same loop purges expired records.
 """
@@ -13,12 +14,14 @@ reads as failed, and the upkeep marks it so. The same loop purges expired record
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -42,8 +45,11 @@ class Runs:
         poll_s: float = 1.0,
         stale_s: float = 30.0,
         purge_s: float = 60.0,
+        held: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
-        self.store, self.ttl_s = store, ttl_s
+        """`held`: entered by each task for as long as it runs (the proxy's drain waits for
+        what it holds, as for requests in flight, then cancels them)."""
+        self.store, self.ttl_s, self.held = store, ttl_s, held
         self.poll_s, self.stale_s, self.purge_s = poll_s, stale_s, purge_s
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tasks: dict[Key, asyncio.Task[None]] = {}
@@ -65,8 +71,14 @@ class Runs:
             raise
         finally:
             self._starting.discard(key)
-        self.tasks[key] = task = asyncio.create_task(work, name=f"background {record.id}")
+        self.tasks[key] = task = asyncio.create_task(
+            self._held(work), name=f"background {record.id}"
+        )
         task.add_done_callback(lambda done: self._ended(key, done))
+
+    async def _held(self, work: Coroutine[Any, Any, None]) -> None:
+        with self.held():
+            await work
 
     def _ended(self, key: Key, task: asyncio.Task[None]) -> None:
         self.tasks.pop(key, None)

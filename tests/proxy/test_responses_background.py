@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from tests.proxy.conftest import Tiers, url
 from tests.proxy.store.conftest import pg_server, pg_url  # noqa: F401 (fixtures)
 from tokenline.proxy.api.responses import RUNS
-from tokenline.proxy.app import make_app
+from tokenline.proxy.app import DRAIN, make_app
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.store import StoredResponse, key_hash, open_store
 from tokenline.proxy.store.runs import GONE
@@ -261,6 +261,22 @@ async def test_a_store_that_is_down_is_a_503_and_nothing_runs(
         assert "response store" in (await made.json())["error"]["message"]
         await asyncio.sleep(0.2)
         assert engine[0].started == [] and not proxy.app[RUNS].tasks
+
+
+async def test_a_draining_proxy_waits_for_its_background_responses(
+    proxies: Proxy, engine: tuple[Generate, str]
+) -> None:
+    """A rolling restart: the drain counts a running background response as in flight and
+    waits for it, as for a request, so it completes instead of failing."""
+    one = await proxies()
+    engine[0].delay = 1.0
+    made = await one.post("/v1/responses", json={**BODY, "background": True}, headers=ALICE)
+    rid = (await made.json())["id"]
+    drain = one.app[DRAIN]
+    assert drain.in_flight == 1  # the create request has ended: this is the background one
+    drain.draining = True
+    await asyncio.wait_for(drain.settled(), 10)
+    assert (await one.app[RUNS].store.get(key_hash("alice"), rid)).status == "incomplete"
 
 
 async def test_a_row_whose_runner_died_reads_failed(proxies: Proxy, store: str) -> None:
