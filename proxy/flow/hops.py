@@ -26,9 +26,9 @@ from tokenline.proxy.client.upstream import GENERATE_PATH, Pumping, post, readab
 from tokenline.proxy.config import ProxyConfig
 from tokenline.proxy.flow.derender import DerenderTransport
 from tokenline.proxy.flow.replicas import (
-    ATTEMPTS,
     REPLICA,
     RetryPolicy,
+    Tries,
     on_replicas,
     post_any,
     reported,
@@ -176,13 +176,10 @@ class Hops:
         span: Span,
     ) -> Prefilled:
         pool = self.pools.prefill
-        tries = 0
+        tries = Tries(span)
 
         async def once(worker: Worker) -> Prefilled:
-            nonlocal tries
-            tries += 1
-            span.set(REPLICA, worker.url)
-            span.set(ATTEMPTS, tries)
+            tries.start(worker)
             uncached = pick.uncached if pick is not None and worker is pick.worker else 0
             with (
                 self.metrics.prompt_in_flight(pool.role, worker.url, len(gen.token_ids)),

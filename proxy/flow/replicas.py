@@ -36,6 +36,22 @@ from tokenline.shared.tracing import NO_SPAN, Span
 
 T = TypeVar("T")
 REPLICA, ATTEMPTS = "tokenline.replica", "tokenline.attempts"
+
+
+class Tries:
+    """A hop's tries, told to its span as they start: each one's replica, and how many so far."""
+
+    __slots__ = ("count", "span")
+
+    def __init__(self, span: Span) -> None:
+        self.span, self.count = span, 0
+
+    def start(self, worker: Worker) -> None:
+        self.count += 1
+        self.span.set(REPLICA, worker.url)
+        self.span.set(ATTEMPTS, self.count)
+
+
 """Span attributes: the replica a hop's (last) try went to, and how many tries it took."""
 
 
@@ -194,13 +210,10 @@ async def post_any(
     failure (`on_replicas`). `read` decodes the answer on the replica's account:
     an answer it cannot read is that replica's fault, and goes to another (`as_is` reads
     later). The hop's `span` learns each try's replica and how many tries it took."""
-    tries = 0
+    tries = Tries(span)
 
     async def once(worker: Worker) -> T:
-        nonlocal tries
-        tries += 1
-        span.set(REPLICA, worker.url)
-        span.set(ATTEMPTS, tries)
+        tries.start(worker)
         with pool.lease(worker):
             data = await post(
                 client, pool.role, worker.url, path, body, with_pool(pool, headers), limits
