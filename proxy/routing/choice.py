@@ -7,8 +7,10 @@ standing (`PrefixChooser.standing`): the prompt tokens sent there lately (`Load.
 decayed over a time window: `decayed`) plus the same price per running stream, which remembers
 the work of requests that have already finished.
 
-The replica whose work after taking the prompt is least wins, so a cached prefix counts as
-the prefill work it saves. A token the prompt computes weighs `compute_cost` (2) tokens of
+A conversation's next turn goes to its home (below) while the home takes part: moving it for
+less work in flight there would compute its history again elsewhere. Otherwise the replica
+whose work after taking the prompt is least wins, so a cached prefix counts as the prefill
+work it saves. A token the prompt computes weighs `compute_cost` (2) tokens of
 work in flight: work in flight passes (the engine batches the prompt with it), while computing
 again what another replica holds is spent for good, and moves a conversation's history to a
 replica that computes it again if the next turn goes back.
@@ -163,11 +165,17 @@ class PrefixChooser:
         return self.weight(load) + own + cold
 
     def choose(self, candidates: Sequence[Candidate], prompt_tokens: int) -> int:
-        """The index of the candidate to send a `prompt_tokens` prompt to."""
+        """The index of the candidate to send a `prompt_tokens` prompt to: its conversation's
+        home while that is eligible; else the eligible one whose work after taking it, plus its
+        standing, plus a prompt like it for each conversation there, is least."""
         if not candidates:
             raise ValueError("no candidates")
         eligible = self.eligible(candidates, prompt_tokens)
-        settled = self.alone(candidates) in eligible
+        home = self.alone(candidates)
+        if home is not None and home in eligible:
+            # A conversation's next turn stays with its history while its home is within the
+            # cap: leaving for a replica with less in flight recomputes that history there.
+            return home
         best: list[int] = []
         least = (math.inf, math.inf)
         for i in eligible:
@@ -175,11 +183,8 @@ class PrefixChooser:
                 self.cost(candidates[i], prompt_tokens),
                 self.standing(candidates[i].load),
             )
-            if settled:
-                key = (cost, standing)
-            else:
-                ahead = candidates[i].conversations * prompt_tokens
-                key = (cost + standing + ahead, standing)
+            ahead = candidates[i].conversations * prompt_tokens
+            key = (cost + standing + ahead, standing)
             if key < least:
                 best, least = [i], key
             elif key == least:

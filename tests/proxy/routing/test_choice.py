@@ -74,6 +74,17 @@ def test_the_replica_holding_a_conversation_takes_its_turn_while_within_the_cap(
     assert chooser.choose([ahead._replace(home=False), *others], 536) != 0
 
 
+def test_a_turn_stays_home_though_its_home_has_more_in_flight() -> None:
+    """Leaving for a replica with less prefill in flight would compute the history again
+    there: the home takes the turn while it is within the cap, whatever it has in flight."""
+    chooser = PrefixChooser(128)
+    home = Candidate(Load(600, 2, 1200), 3, home=True)  # a long prefill in flight there
+    others = [Candidate(Load(0, 0, 1000), 2)] * 3
+    assert chooser.choose([*others, home], 420) == 3
+    # the same replica not being the conversation's home: the idle ones win on work
+    assert chooser.choose([*others, home._replace(home=False)], 420) != 3
+
+
 def test_a_new_conversation_goes_where_fewer_will_come_back() -> None:
     """A prompt no replica holds more of than another: its work after, the standing and the
     conversations each replica serves (each worth a prompt like it) decide, not the moment's
