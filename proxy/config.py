@@ -107,8 +107,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     routing_cap: Annotated[float, msgspec.Meta(ge=1)] = 1.5
     """Cache-aware: a replica takes a prompt only if its standing after (the prompt tokens
     sent there lately, decayed, plus its running streams) is at most this many times the
-    pool's mean; the one replica that alone holds part of the prompt (a conversation's
-    history) may pass it by those tokens. The balance under one hot prefix."""
+    pool's mean; a conversation's home (the replica that alone holds most of the prompt: its
+    history) only needs to be within it before taking the turn. The balance under one hot
+    prefix."""
     routing_half_life: Seconds = 300.0
     """Cache-aware: seconds over which the prompt tokens sent to a replica count half as
     much toward its standing (how long the cap remembers finished work)."""
@@ -117,8 +118,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     and standing."""
     routing_compute_cost: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     """Cache-aware: what a prompt token a replica would compute (not cached there) weighs
-    against a token of work already in flight; above 1, a conversation stays with its
-    history rather than follow the moment's load."""
+    against a token of work already in flight; above 1, a prompt goes where its prefix is
+    cached rather than follow the moment's load."""
     health_interval: Seconds = 2.0
     """Seconds between health checks of each replica."""
     max_in_flight: Positive = 1024

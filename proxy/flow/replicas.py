@@ -36,6 +36,7 @@ from tokenline.shared.tracing import NO_SPAN, Span
 
 T = TypeVar("T")
 REPLICA, ATTEMPTS = "tokenline.replica", "tokenline.attempts"
+"""Span attributes: the replica a hop's (last) try went to, and how many tries it took."""
 
 
 class Tries:
@@ -50,9 +51,6 @@ class Tries:
         self.count += 1
         self.span.set(REPLICA, worker.url)
         self.span.set(ATTEMPTS, self.count)
-
-
-"""Span attributes: the replica a hop's (last) try went to, and how many tries it took."""
 
 
 @dataclass(frozen=True)
